@@ -1,0 +1,108 @@
+"""numpy dtype -> predefined MPI datatype, and which reductions each dtype allows.
+
+Both lookups are cached per dtype (and per ``(ReduceOp, dtype)``), so the hot
+path of a collective pays one dictionary access for each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._mpi import MPI
+from .errors import InvalidArgument, UnsupportedOp
+from .ops import ReduceOp
+
+__all__ = ["mpi_datatype", "mpi_op", "SUPPORTED_DTYPES"]
+
+#: Type characters of the dtypes numpy and MPI share (MPI predefined datatypes).
+_CODES = "?bBhHiIlLqQefdgFDG"
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(c) for c in _CODES)
+
+_DATATYPES: dict[np.dtype, object] = {}
+if MPI is not None:
+    for _dt in SUPPORTED_DTYPES:
+        _DATATYPES[_dt] = MPI.Datatype.fromcode(_dt.char)
+
+
+def mpi_datatype(dtype: np.dtype) -> object:
+    """Return the predefined MPI datatype for a native-byte-order numpy ``dtype``.
+
+    Raises
+    ------
+    InvalidArgument
+        For dtypes MPI has no predefined datatype for (object, str, structured...).
+    """
+    try:
+        return _DATATYPES[dtype]
+    except KeyError:
+        pass
+    raise InvalidArgument(
+        f"dtype {np.dtype(dtype)} is not supported; supported dtypes are "
+        + ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    )
+
+
+# Per dtype kind: ReduceOp -> name of the MPI op. MEAN is a SUM followed by a
+# division, so it appears only for the kinds where the division is exact in type.
+_NUMERIC = {"SUM": "SUM", "PRODUCT": "PROD", "MIN": "MIN", "MAX": "MAX"}
+_BITWISE = {"BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+_OPS_BY_KIND: dict[str, dict[str, str]] = {
+    "b": {
+        "SUM": "LOR",
+        "PRODUCT": "LAND",
+        "MIN": "LAND",
+        "MAX": "LOR",
+        "BAND": "LAND",
+        "BOR": "LOR",
+        "BXOR": "LXOR",
+    },
+    "i": {**_NUMERIC, **_BITWISE},
+    "u": {**_NUMERIC, **_BITWISE},
+    "f": {**_NUMERIC, "MEAN": "SUM"},
+    "c": {"SUM": "SUM", "PRODUCT": "PROD", "MEAN": "SUM"},
+}
+_KIND_NAMES = {
+    "b": "bool",
+    "i": "integer",
+    "u": "unsigned integer",
+    "f": "floating",
+    "c": "complex",
+}
+
+_OP_CACHE: dict[tuple[ReduceOp, np.dtype], tuple[object, bool]] = {}
+
+
+def mpi_op(op: ReduceOp, dtype: np.dtype) -> tuple[object, bool]:
+    """Return ``(mpi_op, is_mean)`` for reducing ``dtype`` with ``op``.
+
+    ``is_mean`` says the caller must divide the MPI SUM by the group size.
+
+    Raises
+    ------
+    UnsupportedOp
+        When ``op`` is not defined for the dtype (MEAN of integers, MIN/MAX of
+        complex numbers, bitwise ops on floats).
+    InvalidArgument
+        When ``op`` is not a :class:`ReduceOp`.
+    """
+    key = (op, dtype)
+    try:
+        return _OP_CACHE[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable op
+        pass
+    if not isinstance(op, ReduceOp):
+        raise InvalidArgument(f"op must be a ferrompi.ReduceOp, not {op!r}")
+    mpi_datatype(dtype)  # reject unsupported dtypes with their own message
+    table = _OPS_BY_KIND[dtype.kind]
+    name = table.get(op.name)
+    if name is None:
+        allowed = ", ".join(sorted(table))
+        raise UnsupportedOp(
+            f"ReduceOp.{op.name} is not defined for {_KIND_NAMES[dtype.kind]} dtype "
+            f"{dtype} (allowed: {allowed})"
+        )
+    result = (getattr(MPI, name), op is ReduceOp.MEAN)
+    _OP_CACHE[key] = result
+    return result

@@ -1,0 +1,51 @@
+"""Reduction operations (:class:`ReduceOp`), as ``torch.distributed.ReduceOp``.
+
+Examples
+--------
+>>> import ferrompi as fm
+>>> fm.ReduceOp.AVG is fm.ReduceOp.MEAN
+True
+>>> [op.name for op in fm.ReduceOp]
+['SUM', 'MEAN', 'PRODUCT', 'MIN', 'MAX', 'BAND', 'BOR', 'BXOR']
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ReduceOp"]
+
+
+class ReduceOp(enum.Enum):
+    """How a collective combines the ranks' values, element by element.
+
+    ========  ==========================  =====================================
+    member    result                      dtypes
+    ========  ==========================  =====================================
+    SUM       sum                         all numeric; bool: logical OR
+    MEAN      sum / world size (``AVG``)  floating and complex only
+    PRODUCT   product                     all numeric; bool: logical AND
+    MIN       minimum                     integer, floating; bool: AND
+    MAX       maximum                     integer, floating; bool: OR
+    BAND      bitwise AND                 integer; bool: logical AND
+    BOR       bitwise OR                  integer; bool: logical OR
+    BXOR      bitwise XOR                 integer; bool: logical XOR
+    ========  ==========================  =====================================
+
+    Other combinations raise :class:`~ferrompi.UnsupportedOp` before any
+    communication. The bool rules are torch's (NCCL maps SUM to MAX and
+    PRODUCT to MIN for bool tensors).
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    AVG = "mean"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"
