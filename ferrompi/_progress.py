@@ -1,0 +1,396 @@
+"""Completion of non-blocking operations under a deadline.
+
+Every ferrompi operation starts MPI non-blocking calls and waits for them
+here. The wait loop calls ``Request.Test`` (which drives MPI's progress
+engine, as a blocking ``Wait`` would). After 16 unsuccessful tests it calls
+``sched_yield`` between tests, so that ranks sharing a core (more ranks
+than cores) hand it over at once, and it reads the clock once every 256
+tests to check the deadline. It never sleeps: MPI progresses only while some
+thread calls into it, so a sleeping rank would stall its peers.
+
+Cost model (measured here with MPICH, 2 cores): one ``Test`` costs about
+0.1-0.3 us, and ``sched_yield`` about 0.3 us when no other process waits for
+the core, so completion is noticed within about 0.5 us and the loop's cost
+is below the noise at every size. With 4 ranks on 2 cores, yielding after 16
+tests matches MPICH's own blocking calls (18 us for a 16-byte allreduce,
+against 228 us when yielding only after 1024 tests). The deadline check adds
+one clock read per 256 tests. Requests of the in-process simulated backend
+carry an event and are waited on with it, so simulated ranks do not spin.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import time
+from datetime import timedelta
+
+from . import _status
+from ._mpi import MPI
+from .errors import (
+    CollectiveTimeout,
+    CommunicationError,
+    DistributedError,
+    InvalidArgument,
+    SizeMismatch,
+)
+
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "PendingCollective", "complete", "timeout_seconds"]
+
+#: Default timeout of every collective and point-to-point call (torch's, 60 s).
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def timeout_seconds(timeout: float | timedelta | None, default: float | None = None) -> float:
+    """Return ``timeout`` in seconds; ``None`` means ``default`` (or 60 s).
+
+    Raises
+    ------
+    InvalidArgument
+        If ``timeout`` is not a positive number of seconds or a positive
+        :class:`datetime.timedelta` (``float('inf')`` is allowed: no timeout).
+    """
+    if timeout is None:
+        return _DEFAULT_SECONDS if default is None else default
+    if type(timeout) is float and timeout > 0:
+        return timeout
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise InvalidArgument(
+            f"timeout must be a number of seconds or a datetime.timedelta, not {timeout!r}"
+        )
+    if not seconds > 0:
+        raise InvalidArgument(f"timeout must be positive, got {seconds} s")
+    return seconds
+
+
+def _default_seconds() -> float:
+    text = os.environ.get("FERROMPI_TIMEOUT")
+    if not text:
+        return DEFAULT_COLLECTIVE_TIMEOUT.total_seconds()
+    try:
+        return timeout_seconds(float(text), 0.0)
+    except (ValueError, InvalidArgument):
+        raise InvalidArgument(f"FERROMPI_TIMEOUT must be positive seconds, got {text!r}") from None
+
+
+_DEFAULT_SECONDS = _default_seconds()
+
+# Buffers of operations that timed out. MPI cannot cancel a collective, so it
+# may still write into them; they are kept alive until the process ends.
+_ABANDONED: list[object] = []
+
+
+class CommState:
+    """What ferrompi keeps per communicator: sequence numbers and health.
+
+    Shared by every backend object wrapping the same communicator, since
+    MPI matches collectives per communicator.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "broken",
+        "comm",
+        "key",
+        "participant",
+        "rank",
+        "rec",
+        "seq",
+        "size",
+        "slot",
+        "timeout",
+        "world_ranks",
+    )
+
+    def __init__(self, comm, world_ranks: tuple[int, ...], participant, timeout: float) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.world_ranks = world_ranks
+        self.participant = participant
+        self.key, self.slot = participant.register(world_ranks)
+        self.rec = participant.rec
+        self.seq = 0
+        self.timeout = timeout
+        self.broken: str | None = None
+
+    def begin(self, opcode: int, peer: int = -1) -> int:
+        """Record the start of an operation; collectives (``peer < 0``) get a number."""
+        if self.broken is not None:
+            raise DistributedError(self.broken)
+        rec = self.rec
+        if peer < 0:
+            self.seq = seq = self.seq + 1
+            rec[self.slot + 1] = seq
+            rec[self.slot + 2] = opcode
+        else:
+            seq = 0
+        rec[_status.OP] = opcode
+        rec[_status.KEY] = self.key
+        rec[_status.SEQ] = seq
+        rec[_status.PEER] = peer
+        rec[_status.T_START] = time.monotonic_ns()
+        rec[_status.STATE] = _status.ACTIVE
+        return seq
+
+    def end(self, state: int = _status.DONE) -> None:
+        rec = self.rec
+        rec[_status.T_END] = time.monotonic_ns()
+        rec[_status.STATE] = state
+
+    def fail_before_start(self, opcode: int) -> None:
+        """Record that an operation was rejected locally (peers may wait for it)."""
+        rec = self.rec
+        rec[_status.OP] = opcode
+        rec[_status.KEY] = self.key
+        rec[_status.SEQ] = 0
+        rec[_status.PEER] = -1
+        rec[_status.T_END] = time.monotonic_ns()
+        rec[_status.STATE] = _status.FAILED
+
+
+def _spin(req, status, deadline: float) -> bool:
+    """Test ``req`` until it completes (True) or the deadline passes (False)."""
+    test = req.Test
+    monotonic = time.monotonic
+    spins = 0
+    while not test(status):
+        spins += 1
+        if spins > 16:
+            os.sched_yield()
+            if not spins & 255 and monotonic() > deadline:
+                return False
+    return True
+
+
+def _wait_requests(reqs, statuses, deadline: float) -> bool:
+    """Wait for every request; False if the deadline passed first."""
+    for i, req in enumerate(reqs):
+        status = None if statuses is None else statuses[i]
+        if req.Test(status):
+            continue
+        block = None if type(req) is _MPIRequest else getattr(req, "block_until", None)
+        if block is not None:
+            if not block(deadline, status):
+                return False
+        elif not _spin(req, status, deadline):
+            return False
+    return True
+
+
+def mpi_error(op: str, exc: Exception, expected: int | None = None) -> DistributedError:
+    """Translate an ``MPI.Exception`` into ferrompi's hierarchy."""
+    error_class = exc.Get_error_class()
+    if error_class == MPI.ERR_TRUNCATE and expected is not None:
+        return SizeMismatch(expected, None, op)
+    return CommunicationError(op, exc.Get_error_string(), error_class)
+
+
+_MPIRequest = MPI.Request if MPI is not None else None
+
+
+class PendingCollective:
+    """An operation in flight, returned by the ``async_*`` functions, ``isend`` and ``irecv``.
+
+    Like ``torch.distributed.Work``: :meth:`wait` blocks (under a timeout)
+    and returns the result, :meth:`is_completed` tests without blocking.
+    MPI makes progress on it whenever this rank calls into MPI (any ferrompi
+    call, :meth:`is_completed`, :meth:`wait`).
+
+    Attributes
+    ----------
+    op_name : str
+        The operation, e.g. ``"async_all_gather"``.
+    """
+
+    __slots__ = (
+        "_done",
+        "_error",
+        "_expected",
+        "_finish",
+        "_keep",
+        "_opcode",
+        "_peer",
+        "_reqs",
+        "_result",
+        "_seq",
+        "_state",
+        "_statuses",
+        "_timeout",
+        "op_name",
+    )
+
+    def __init__(
+        self,
+        state: CommState,
+        opcode: int,
+        seq: int,
+        reqs,
+        result,
+        finish=None,
+        timeout: float | timedelta | None = None,
+        *,
+        statuses=None,
+        peer: int = -1,
+        expected: int | None = None,
+        keep: object = None,
+    ) -> None:
+        self.op_name = _status.OPS[opcode]
+        self._state = state
+        self._opcode = opcode
+        self._seq = seq
+        self._reqs = reqs
+        self._statuses = statuses
+        self._result = result
+        self._finish = finish
+        self._timeout = (
+            timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
+        )
+        self._peer = peer
+        self._expected = expected
+        self._keep = keep
+        self._done = False
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        status = "completed" if self._done else "pending"
+        return f"<PendingCollective {self.op_name} {status}>"
+
+    def is_completed(self) -> bool:
+        """Test (without blocking) whether the operation has completed."""
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        statuses = self._statuses
+        try:
+            for i, req in enumerate(self._reqs):
+                if not req.Test(None if statuses is None else statuses[i]):
+                    return False
+        except MPI.Exception as exc:
+            self._fail(mpi_error(self.op_name, exc, self._expected))
+        except DistributedError as exc:
+            self._fail(exc)
+        self._complete()
+        return True
+
+    def wait(self, timeout: float | timedelta | None = None):
+        """Wait for completion and return the result.
+
+        Parameters
+        ----------
+        timeout : float or timedelta, optional
+            Seconds to wait from now; default: the timeout the operation was
+            started with.
+
+        Returns
+        -------
+        The operation's result (an array, or ``None`` for barrier and sends).
+
+        Raises
+        ------
+        CollectiveTimeout
+            If it does not complete in time; the message names the ranks that
+            had not reached the operation and what they were doing. The
+            backend is then unusable (MPI cannot cancel a collective).
+        """
+        if self._done:
+            return self._result
+        if self._error is not None:
+            raise self._error
+        seconds = self._timeout if timeout is None else timeout_seconds(timeout)
+        reqs = self._reqs
+        try:
+            if len(reqs) == 1 and self._statuses is None:
+                req = reqs[0]
+                finished = req.Test() or _wait_requests(reqs, None, time.monotonic() + seconds)
+            else:
+                finished = _wait_requests(reqs, self._statuses, time.monotonic() + seconds)
+        except MPI.Exception as exc:
+            self._fail(mpi_error(self.op_name, exc, self._expected))
+        except DistributedError as exc:
+            self._fail(exc)
+        if not finished:
+            self._time_out(seconds)
+        self._complete()
+        return self._result
+
+    def _wait_rest(self, seconds: float):
+        """Continue a wait begun by :func:`complete` (MPI: the deadline has passed)."""
+        req = self._reqs[0]
+        if type(req) is _MPIRequest and not req.Test():
+            self._time_out(seconds)
+        return self.wait(seconds)
+
+    def _complete(self) -> None:
+        if self._finish is not None:
+            try:
+                self._finish(self._result, self._keep)
+            except DistributedError as exc:
+                self._fail(exc)
+        self._state.end()
+        self._done = True
+        self._reqs = self._statuses = self._keep = self._finish = None
+
+    def _fail(self, exc: DistributedError):
+        self._state.end(_status.FAILED)
+        self._error = exc
+        _ABANDONED.append((self._reqs, self._result, self._keep))
+        raise exc
+
+    def _time_out(self, seconds: float):
+        state = self._state
+        if self._peer >= 0:
+            missing, details = _status.describe_peers(
+                state.participant, state.world_ranks, state.key, 0, self._opcode, [self._peer]
+            )
+            where = f"with rank {self._peer}"
+        else:
+            missing, details = _status.describe_peers(
+                state.participant, state.world_ranks, state.key, self._seq, self._opcode
+            )
+            where = f"(collective #{self._seq} of a group of {state.size})"
+        if self._peer < 0 and not missing:
+            details = "every other rank reached it" + (f"; {details}" if details else "")
+        state.broken = (
+            f"this backend is unusable: {self.op_name} {where} timed out after {seconds:g} s "
+            "and MPI cannot cancel it; build a new backend, or end the job with fm.abort()"
+        )
+        error = CollectiveTimeout(seconds, f"{self.op_name} {where}", missing, details)
+        self._error = error
+        state.end(_status.TIMED_OUT)
+        _ABANDONED.append((self._reqs, self._result, self._keep))
+        raise error
+
+
+def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=None, peer=-1):
+    """Wait for one request and return ``result``: the blocking calls' fast path.
+
+    Equivalent to ``PendingCollective(...).wait()`` without building the
+    object unless the request is simulated or the deadline passes.
+    ``finish(result, keep)``, if given, runs on completion.
+    """
+    try:
+        if not req.Test():
+            seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
+            if type(req) is not _MPIRequest or not _spin(req, None, time.monotonic() + seconds):
+                return PendingCollective(
+                    state, opcode, seq, (req,), result, finish, seconds, peer=peer, keep=keep
+                )._wait_rest(seconds)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(_status.OPS[opcode], exc) from None
+    if finish is not None:
+        try:
+            finish(result, keep)
+        except DistributedError:
+            state.end(_status.FAILED)
+            raise
+    rec = state.rec
+    rec[_status.T_END] = time.monotonic_ns()
+    rec[_status.STATE] = _status.DONE
+    return result

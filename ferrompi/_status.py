@@ -1,0 +1,286 @@
+"""The status board: what every rank is doing, readable by the other ranks.
+
+Each participant (an MPI process, or one rank of an in-process simulated
+group) owns a fixed-size record of 64-bit words. It writes there, with plain
+stores, the operation it is in, its state and, for each communicator it
+uses, how many collectives it has entered there. When a collective times
+out, the rank that timed out reads its peers' records and says which ranks
+never reached the collective and what each was doing instead.
+
+For MPI the records live in one MPI-3 shared-memory window per node
+(``Win.Allocate_shared`` over ``Split_type(COMM_TYPE_SHARED)``), created by
+:func:`ferrompi.init`. A peer's record stays readable when that peer is busy
+outside MPI, blocked in another call, or dead. Records of ranks on other
+nodes are not visible, and the report says so.
+
+Writing a record costs a few stores per call. No communication is involved.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._mpi import MPI
+
+# Operation codes: positions in this tuple. The tuple is the same in every
+# process, so a code written by one rank is read correctly by the others.
+OPS: tuple[str, ...] = (
+    "(none)",
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_single_uneven",
+    "barrier",
+    "send",
+    "recv",
+    "recv_into",
+    "sendrecv",
+    "isend",
+    "irecv",
+    "async_allreduce",
+    "async_broadcast",
+    "async_all_gather",
+    "async_reduce_scatter",
+    "async_all_to_all",
+    "split",
+    "new_group",
+    "create_group",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "all_to_all_v",
+    "allreduce_coalesced",
+    "gather_object",
+)
+OPCODE = {name: code for code, name in enumerate(OPS)}
+
+# Record layout, in int64 words.
+PID, STATE, OP, KEY, SEQ, T_START, T_END, PEER = range(8)
+SLOT0 = 8
+NSLOTS = 32
+SLOT_WORDS = 3  # key, collectives entered, opcode of the last one
+REC_WORDS = SLOT0 + NSLOTS * SLOT_WORDS
+
+# States.
+IDLE, ACTIVE, DONE, TIMED_OUT, FAILED = range(5)
+_STATE_NAMES = ("idle", "in", "done", "timed out", "failed")
+
+
+class Board:
+    """The records of the participants one process can see.
+
+    Parameters
+    ----------
+    rows : dict
+        Global (world) rank -> 1-D int64 array of ``REC_WORDS`` words.
+    keepalive : object
+        Whatever owns the memory (an MPI window), kept alive with the board.
+    """
+
+    def __init__(self, rows: dict[int, np.ndarray], keepalive: object = None) -> None:
+        self.rows = rows
+        self._keepalive = keepalive
+
+    @classmethod
+    def local(cls, n: int) -> Board:
+        """A board for ``n`` participants in this process (a simulated group)."""
+        table = np.zeros((n, REC_WORDS), dtype=np.int64)
+        return cls({r: table[r] for r in range(n)}, table)
+
+    @classmethod
+    def for_mpi_world(cls) -> Board:
+        """Create the shared-memory board of ``COMM_WORLD`` (collective over it)."""
+        world = MPI.COMM_WORLD
+        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+        win = MPI.Win.Allocate_shared(REC_WORDS * 8, 8, comm=node)
+        mine = np.frombuffer(win.tomemory(), dtype=np.int64, count=REC_WORDS)
+        mine[:] = 0
+        world_ranks = np.empty(node.size, dtype=np.int64)
+        node.Allgather(np.array([world.rank], dtype=np.int64), world_ranks)
+        rows = {}
+        for i, world_rank in enumerate(world_ranks.tolist()):
+            buf, _ = win.Shared_query(i)
+            rows[world_rank] = np.frombuffer(buf, dtype=np.int64, count=REC_WORDS)
+        node.Barrier()  # every record is zeroed before anyone reads it
+        return cls(rows, (win, node))
+
+
+class Participant:
+    """One rank's view of the board: its own record and its communicators.
+
+    Keeps a per-membership creation counter so that the ranks of a
+    communicator derive the same key for it without communicating (they
+    create communicators over the same members in the same order, as MPI
+    requires of collective creation).
+    """
+
+    def __init__(self, board: Board, world_rank: int, pid: int) -> None:
+        self.board = board
+        self.world_rank = world_rank
+        self.row = board.rows[world_rank]
+        self.rec = memoryview(self.row)
+        self.rec[PID] = pid
+        self._created: dict[tuple[int, ...], int] = {}
+        self._next_slot = 0
+        self._lock = threading.Lock()
+
+    def register(self, world_ranks: tuple[int, ...]) -> tuple[int, int]:
+        """Return ``(key, slot)`` for a new communicator over ``world_ranks``."""
+        with self._lock:
+            index = self._created.get(world_ranks, 0)
+            self._created[world_ranks] = index + 1
+            key = hash((world_ranks, index)) & 0x7FFF_FFFF_FFFF_FFFF or 1
+            slot = SLOT0 + SLOT_WORDS * (self._next_slot % NSLOTS)
+            self._next_slot += 1
+        rec = self.rec
+        rec[slot] = key
+        rec[slot + 1] = 0
+        rec[slot + 2] = 0
+        return key, slot
+
+
+_PROCESS_LOCK = threading.Lock()
+_PROCESS: Participant | None = None
+
+
+def process_participant(create_board: bool = False) -> Participant:
+    """The participant of this MPI process.
+
+    With ``create_board`` (collective over ``COMM_WORLD``; done by
+    :func:`ferrompi.init`) the record is placed on the node's shared board.
+    Before that, the process writes into a private record no peer can read.
+    """
+    global _PROCESS
+    with _PROCESS_LOCK:
+        shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
+        if create_board and not shared and MPI.COMM_WORLD.size > 1:
+            _PROCESS = Participant(Board.for_mpi_world(), MPI.COMM_WORLD.rank, os.getpid())
+        elif _PROCESS is None:
+            rank = MPI.COMM_WORLD.rank
+            _PROCESS = Participant(Board({rank: np.zeros(REC_WORDS, np.int64)}), rank, os.getpid())
+        return _PROCESS
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+def _slot_of(row: np.ndarray, key: int) -> int | None:
+    keys = row[SLOT0::SLOT_WORDS]
+    hits = np.flatnonzero(keys == key)
+    return None if hits.size == 0 else SLOT0 + SLOT_WORDS * int(hits[-1])
+
+
+def _describe_activity(row: np.ndarray, key: int, now_ns: int) -> str:
+    state, op, seq = int(row[STATE]), int(row[OP]), int(row[SEQ])
+    if state == IDLE:
+        return "has not called ferrompi yet"
+    name = OPS[op] if 0 <= op < len(OPS) else f"op {op}"
+    where = "on this group" if int(row[KEY]) == key else "on another group"
+    peer = int(row[PEER])
+    label = f"{name} #{seq} {where}" if seq > 0 else name
+    if peer >= 0:
+        label += f" (peer: global rank {peer})"
+    if state == ACTIVE:
+        return f"is in {label} for {(now_ns - int(row[T_START])) / 1e9:.1f} s"
+    since = (now_ns - int(row[T_END])) / 1e9
+    if state == DONE:
+        return f"finished {label} {since:.1f} s ago and has not entered ferrompi since"
+    return f"{_STATE_NAMES[state]} in {label} {since:.1f} s ago"
+
+
+def describe_peers(
+    participant: Participant,
+    world_ranks: Sequence[int],
+    key: int,
+    seq: int,
+    opcode: int,
+    peers: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], str]:
+    """Say which group ranks have not reached collective ``seq`` and what they do.
+
+    Parameters
+    ----------
+    participant
+        The caller's participant (its board is read).
+    world_ranks
+        Global rank of each group rank.
+    key
+        The communicator's key.
+    seq
+        The caller's collective number on that communicator (from 1); 0 for a
+        point-to-point call, where every peer in ``peers`` is described.
+    opcode
+        The caller's operation.
+    peers
+        Group ranks to describe (default: all but the caller).
+
+    Returns
+    -------
+    missing : tuple of int
+        Group ranks that did not reach the collective (or, point-to-point,
+        the peer when it is not in a matching call).
+    text : str
+        One clause per described rank.
+    """
+    now = time.monotonic_ns()
+    board = participant.board
+    if peers is None:
+        peers = [r for r, g in enumerate(world_ranks) if g != participant.world_rank]
+    missing: list[int] = []
+    parts: list[str] = []
+    opname = OPS[opcode]
+    for local in peers:
+        global_rank = world_ranks[local]
+        row = board.rows.get(global_rank)
+        label = f"rank {local}" if global_rank == local else f"rank {local} (global {global_rank})"
+        if row is None:
+            missing.append(local)
+            parts.append(f"{label}: status not visible (another node, or fm.init() was not called)")
+            continue
+        alive = _pid_alive(int(row[PID]))
+        activity = _describe_activity(row, key, now)
+        if not alive:
+            missing.append(local)
+            parts.append(f"{label}: process {int(row[PID])} has exited (its record: it {activity})")
+            continue
+        if seq == 0:
+            missing.append(local)
+            parts.append(f"{label} {activity}")
+            continue
+        slot = _slot_of(row, key)
+        entered = 0 if slot is None else int(row[slot + 1])
+        last_op = 0 if slot is None else int(row[slot + 2])
+        if entered < seq:
+            missing.append(local)
+            reached = (
+                "has not used this group yet"
+                if entered == 0
+                else f"its last collective here is {OPS[last_op]} #{entered}"
+            )
+            parts.append(f"{label} has not reached {opname} #{seq} ({reached}); it {activity}")
+        elif entered == seq and last_op != opcode:
+            missing.append(local)
+            parts.append(
+                f"{label} called {OPS[last_op]} as collective #{seq} instead of {opname} "
+                f"(desynchronised); it {activity}"
+            )
+    return tuple(missing), "; ".join(parts)
