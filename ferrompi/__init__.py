@@ -1,0 +1,161 @@
+"""ferrompi: the torch.distributed programming model over MPI, for numpy and cupy arrays.
+
+Launch with ``mpiexec -n N python script.py``::
+
+    import numpy as np
+    import ferrompi as fm
+
+    world = fm.init()
+    total = fm.allreduce(np.ones(4), world)      # every rank: [N, N, N, N]
+
+Test without MPI processes on the simulated backend (one thread per rank):
+
+>>> import numpy as np, ferrompi as fm
+>>> fm.SimulatedBackend.run(4, lambda b: fm.allreduce(np.ones(2), b))[0]
+array([4., 4.])
+"""
+
+from __future__ import annotations
+
+from ._progress import DEFAULT_COLLECTIVE_TIMEOUT, PendingCollective
+from .backend import (
+    Backend,
+    MPIBackend,
+    SimulatedBackend,
+    abort,
+    cuda_aware,
+    init,
+    is_gloo_available,
+    is_initialized,
+    is_mpi_available,
+    is_nccl_available,
+    is_ucc_available,
+)
+from .collectives import (
+    all_gather,
+    all_gather_with_timeout,
+    all_to_all,
+    all_to_all_single_uneven,
+    all_to_all_with_timeout,
+    allreduce,
+    allreduce_with_timeout,
+    async_all_gather,
+    async_all_to_all,
+    async_allreduce,
+    async_broadcast,
+    async_reduce_scatter,
+    barrier,
+    broadcast,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    reduce_scatter_with_timeout,
+)
+from .errors import (
+    AsyncCheckpointFailed,
+    BackendUnavailable,
+    CheckpointInvalidArgument,
+    CheckpointIOError,
+    CheckpointMetadataError,
+    CheckpointSerializationError,
+    CheckpointTensorError,
+    CollectiveTimeout,
+    CommunicationError,
+    DistCheckpointError,
+    DistributedError,
+    FerrompiError,
+    FunctionNotFound,
+    InvalidArgument,
+    InvalidRank,
+    InvalidWorldSize,
+    MissingShard,
+    NoConnection,
+    RemoteError,
+    RpcError,
+    RpcTimeout,
+    SelfSend,
+    SizeMismatch,
+    UnsupportedOp,
+)
+from .ops import ReduceOp
+from .p2p import (
+    irecv,
+    isend,
+    recv,
+    recv_into,
+    recv_into_with_timeout,
+    recv_with_timeout,
+    send,
+    sendrecv,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # backends
+    "Backend",
+    "MPIBackend",
+    "SimulatedBackend",
+    "init",
+    "is_initialized",
+    "abort",
+    "is_mpi_available",
+    "is_gloo_available",
+    "is_ucc_available",
+    "is_nccl_available",
+    "cuda_aware",
+    # collectives
+    "ReduceOp",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "PendingCollective",
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single_uneven",
+    "barrier",
+    "async_allreduce",
+    "async_broadcast",
+    "async_all_gather",
+    "async_reduce_scatter",
+    "async_all_to_all",
+    "allreduce_with_timeout",
+    "all_gather_with_timeout",
+    "reduce_scatter_with_timeout",
+    "all_to_all_with_timeout",
+    # point-to-point
+    "send",
+    "recv",
+    "recv_into",
+    "sendrecv",
+    "isend",
+    "irecv",
+    "recv_with_timeout",
+    "recv_into_with_timeout",
+    # errors
+    "FerrompiError",
+    "DistributedError",
+    "InvalidWorldSize",
+    "InvalidRank",
+    "InvalidArgument",
+    "SelfSend",
+    "SizeMismatch",
+    "CollectiveTimeout",
+    "BackendUnavailable",
+    "UnsupportedOp",
+    "CommunicationError",
+    "RpcError",
+    "FunctionNotFound",
+    "RpcTimeout",
+    "RemoteError",
+    "NoConnection",
+    "DistCheckpointError",
+    "CheckpointIOError",
+    "CheckpointSerializationError",
+    "CheckpointInvalidArgument",
+    "MissingShard",
+    "CheckpointTensorError",
+    "CheckpointMetadataError",
+    "AsyncCheckpointFailed",
+]

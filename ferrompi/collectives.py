@@ -1,0 +1,719 @@
+"""Collective operations, as in ``torch.distributed``, over any backend.
+
+Every function takes the backend explicitly, returns a new array (or writes
+``out=`` and returns it) and accepts ``timeout=`` (seconds, or a
+``datetime.timedelta``; default the backend's, 60 s). Each is one MPI
+non-blocking call on the backend's communicator, on the caller's buffers
+(buffer, upper-case mpi4py methods: no pickling, no extra copy for
+C-contiguous inputs), completed under the deadline by
+:class:`~ferrompi.PendingCollective`. The ``async_*`` forms return that
+object instead of waiting.
+
+Bad input raises before any communication: :class:`~ferrompi.InvalidRank`
+for a root outside the group, :class:`~ferrompi.InvalidArgument` for shapes,
+splits or dtypes that do not fit, :class:`~ferrompi.UnsupportedOp` for a
+reduction the dtype lacks.
+
+Examples
+--------
+>>> import numpy as np
+>>> import ferrompi as fm
+>>> def step(b):
+...     x = np.arange(4.0) + 10 * b.rank
+...     return fm.allreduce(x, b), fm.all_gather(x[:1], b), fm.reduce_scatter(x, b)
+>>> (s0, g0, r0), (s1, g1, r1) = fm.SimulatedBackend.run(2, step)
+>>> s0, g0, r0, r1
+(array([10., 12., 14., 16.]), array([ 0., 10.]), array([10., 12.]), array([14., 16.]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import numpy as np
+
+from . import _status
+from ._arrays import as_input, check_rank, datatype_of, output
+from ._dtypes import mpi_op
+from ._mpi import MPI
+from ._progress import PendingCollective, complete, mpi_error, timeout_seconds
+from .backend import Backend
+from .errors import FerrompiError, InvalidArgument
+from .ops import ReduceOp
+
+__all__ = [
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single_uneven",
+    "barrier",
+    "async_allreduce",
+    "async_broadcast",
+    "async_all_gather",
+    "async_reduce_scatter",
+    "async_all_to_all",
+    "allreduce_with_timeout",
+    "all_gather_with_timeout",
+    "reduce_scatter_with_timeout",
+    "all_to_all_with_timeout",
+]
+
+Timeout = float | timedelta | None
+
+_OP = _status.OPCODE
+
+
+def _finish_output(result: np.ndarray, keep: tuple) -> None:
+    """Divide a MEAN and/or copy a staged result into the caller's ``out``."""
+    buf, divisor, _inputs = keep
+    if divisor:
+        np.true_divide(buf, divisor, out=buf, casting="unsafe")
+    if buf is not result:
+        np.copyto(result, buf)
+
+
+def _conclude(blocking, state, opcode, seq, req, result, buf, divisor, inputs, timeout, backend):
+    """Wait (``blocking``) or return the :class:`PendingCollective` of one request."""
+    if buf is result and not divisor:
+        finish, keep = None, inputs
+    else:
+        finish, keep = _finish_output, (buf, divisor, inputs)
+    if blocking:
+        return complete(state, opcode, seq, req, result, finish, keep, timeout)
+    return PendingCollective(state, opcode, seq, (req,), result, finish, timeout, keep=keep)
+
+
+def _separate(x: np.ndarray, buf: np.ndarray, out) -> np.ndarray:
+    """``x``, copied if a caller's ``out`` overlaps it without being it."""
+    if out is not None and buf is not x and np.may_share_memory(x, buf):
+        return x.copy()
+    return x
+
+
+# ---------------------------------------------------------------------------
+# allreduce
+# ---------------------------------------------------------------------------
+
+
+def _allreduce(
+    x, backend: Backend, op, out, timeout, opcode: int, blocking: bool
+) -> PendingCollective | np.ndarray:
+    state = backend._state
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, _status.OPS[opcode])
+        dtype = x.dtype
+        mop, mean = mpi_op(op, dtype)
+        dt = datatype_of(x, "allreduce")
+        result, buf = output(out, x.shape, dtype, _status.OPS[opcode])
+        x = _separate(x, buf, out)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    n = x.size
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Iallreduce(MPI.IN_PLACE if buf is x else [x, n, dt], [buf, n, dt], mop)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(_status.OPS[opcode], exc) from None
+    return _conclude(
+        blocking,
+        state,
+        opcode,
+        seq,
+        req,
+        result,
+        buf,
+        state.size if mean else 0,
+        x,
+        timeout,
+        backend,
+    )
+
+
+def allreduce(
+    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
+) -> np.ndarray:
+    """Reduce ``x`` element-wise across the group; every rank gets the result.
+
+    ``torch.distributed.all_reduce``. ``out=x`` reduces in place (``MPI_IN_PLACE``).
+
+    Parameters
+    ----------
+    x : array_like
+        This rank's contribution; same shape and dtype on every rank.
+    backend : Backend
+        The group.
+    op : ReduceOp
+        The reduction (default SUM). MEAN divides the sum by the group size.
+    out : numpy.ndarray, optional
+        Where to write the result (shape and dtype of ``x``).
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        The reduction, shape and dtype of ``x``.
+
+    Raises
+    ------
+    UnsupportedOp
+        If ``op`` is not defined for ``x.dtype`` (see :class:`ReduceOp`).
+    InvalidArgument
+        For unsupported dtypes or an ``out`` of the wrong shape or dtype.
+    CollectiveTimeout
+        If the group does not complete it in time.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> fm.SimulatedBackend.run(2, lambda b: fm.allreduce(np.array([1, 2]) * (b.rank + 1), b,
+    ...                                                   fm.ReduceOp.MAX))
+    [array([2, 4]), array([2, 4])]
+    """
+    return _allreduce(x, backend, op, out, timeout, _OP["allreduce"], True)
+
+
+def async_allreduce(
+    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`allreduce`; ``.wait()`` on the result returns the array.
+
+    Do not modify ``x`` (or ``out``) until the operation has completed.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     work = fm.async_allreduce(np.ones(3), b)
+    ...     local = np.arange(3.0) ** 2        # overlaps with the reduction
+    ...     return work.wait() + local
+    >>> fm.SimulatedBackend.run(2, f)[0]
+    array([2., 3., 6.])
+    """
+    return _allreduce(x, backend, op, out, timeout, _OP["async_allreduce"], False)
+
+
+def allreduce_with_timeout(
+    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, timeout: Timeout = None, *, out=None
+) -> np.ndarray:
+    """:func:`allreduce` with the timeout as a positional argument (the reference's name)."""
+    return allreduce(x, backend, op, out=out, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# broadcast
+# ---------------------------------------------------------------------------
+
+
+def _broadcast(
+    x, backend: Backend, root, out, timeout, opcode: int, blocking: bool
+) -> PendingCollective | np.ndarray:
+    state = backend._state
+    name = _status.OPS[opcode]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        root = check_rank(root, state.size, "root", name)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        result, buf = output(out, x.shape, x.dtype, name)
+        x = _separate(x, buf, out)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    n = x.size
+    seq = state.begin(opcode)
+    try:
+        if state.rank == root:
+            req = state.comm.Ibcast([x, n, dt], root)
+            if buf is not x:
+                np.copyto(buf, x)  # overlaps with the broadcast
+        else:
+            req = state.comm.Ibcast([buf, n, dt], root)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc, n) from None
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout, backend)
+
+
+def broadcast(
+    x, backend: Backend, root: int = 0, *, out=None, timeout: Timeout = None
+) -> np.ndarray:
+    """Every rank gets ``root``'s ``x`` (``torch.distributed.broadcast(src=root)``).
+
+    Parameters
+    ----------
+    x : array_like
+        On ``root``, the data; on the other ranks, an array of the same shape
+        and dtype (its values are ignored).
+    backend : Backend
+        The group.
+    root : int
+        The sending rank.
+    out : numpy.ndarray, optional
+        Where to write the result; ``out=x`` broadcasts in place.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        A copy of root's array.
+
+    Raises
+    ------
+    InvalidRank
+        If ``root`` is not in ``[0, world_size)``.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> fm.SimulatedBackend.run(3, lambda b: fm.broadcast(np.full(2, b.rank), b, root=2))
+    [array([2, 2]), array([2, 2]), array([2, 2])]
+    """
+    return _broadcast(x, backend, root, out, timeout, _OP["broadcast"], True)
+
+
+def async_broadcast(
+    x, backend: Backend, root: int = 0, *, out=None, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`broadcast`; ``.wait()`` returns the array."""
+    return _broadcast(x, backend, root, out, timeout, _OP["async_broadcast"], False)
+
+
+# ---------------------------------------------------------------------------
+# all_gather
+# ---------------------------------------------------------------------------
+
+
+def _all_gather(
+    x, backend: Backend, out, timeout, opcode: int, blocking: bool
+) -> PendingCollective | np.ndarray:
+    state = backend._state
+    name = _status.OPS[opcode]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        shape = (state.size * x.shape[0], *x.shape[1:]) if x.ndim else (state.size,)
+        result, buf = output(out, shape, x.dtype, name)
+        x = _separate(x, buf, out)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    n = x.size
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Iallgather([x, n, dt], [buf, n, dt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout, backend)
+
+
+def all_gather(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.ndarray:
+    """Concatenate every rank's ``x`` along axis 0 (``all_gather_into_tensor``).
+
+    Parameters
+    ----------
+    x : array_like
+        This rank's part; same shape and dtype on every rank. A 0-d array
+        counts as one row.
+    backend : Backend
+        The group.
+    out : numpy.ndarray, optional
+        Where to write the result, shape ``(world_size * x.shape[0], ...)``.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        Rank 0's rows, then rank 1's, ...
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> fm.SimulatedBackend.run(2, lambda b: fm.all_gather(np.full((1, 2), b.rank), b))[0]
+    array([[0, 0],
+           [1, 1]])
+    """
+    return _all_gather(x, backend, out, timeout, _OP["all_gather"], True)
+
+
+def async_all_gather(
+    x, backend: Backend, *, out=None, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`all_gather`; ``.wait()`` returns the array."""
+    return _all_gather(x, backend, out, timeout, _OP["async_all_gather"], False)
+
+
+def all_gather_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out=None):
+    """:func:`all_gather` with the timeout as a positional argument."""
+    return all_gather(x, backend, out=out, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# reduce_scatter
+# ---------------------------------------------------------------------------
+
+
+def _rows_divisible(x: np.ndarray, size: int, name: str) -> int:
+    if x.ndim == 0:
+        raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 to split")
+    if x.shape[0] % size:
+        raise InvalidArgument(
+            f"{name}: axis 0 has {x.shape[0]} rows, which does not divide by the world size {size}"
+        )
+    return x.shape[0] // size
+
+
+def _reduce_scatter(
+    x, backend: Backend, op, out, timeout, opcode: int, blocking: bool
+) -> PendingCollective | np.ndarray:
+    state = backend._state
+    name = _status.OPS[opcode]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        mop, mean = mpi_op(op, x.dtype)
+        dt = datatype_of(x, name)
+        rows = _rows_divisible(x, state.size, name)
+        result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name)
+        x = _separate(x, buf, out)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    count = buf.size
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Ireduce_scatter_block([x, count, dt], [buf, count, dt], mop)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    return _conclude(
+        blocking,
+        state,
+        opcode,
+        seq,
+        req,
+        result,
+        buf,
+        state.size if mean else 0,
+        x,
+        timeout,
+        backend,
+    )
+
+
+def reduce_scatter(
+    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
+) -> np.ndarray:
+    """Reduce across ranks, then rank ``r`` keeps chunk ``r`` of axis 0.
+
+    ``torch.distributed.reduce_scatter_tensor``.
+
+    Parameters
+    ----------
+    x : array_like
+        Same shape on every rank; ``x.shape[0]`` must divide by the world size.
+    backend : Backend
+        The group.
+    op : ReduceOp
+        The reduction (default SUM).
+    out : numpy.ndarray, optional
+        Where to write the chunk, shape ``(x.shape[0] // world_size, ...)``.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        This rank's chunk of the reduction.
+
+    Raises
+    ------
+    InvalidArgument
+        If axis 0 does not divide by the world size.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> fm.SimulatedBackend.run(2, lambda b: fm.reduce_scatter(np.arange(4) + b.rank, b))
+    [array([1, 3]), array([5, 7])]
+    """
+    return _reduce_scatter(x, backend, op, out, timeout, _OP["reduce_scatter"], True)
+
+
+#: torch's newer name of :func:`reduce_scatter`.
+reduce_scatter_tensor = reduce_scatter
+
+
+def async_reduce_scatter(
+    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`reduce_scatter`; ``.wait()`` returns this rank's chunk."""
+    return _reduce_scatter(x, backend, op, out, timeout, _OP["async_reduce_scatter"], False)
+
+
+def reduce_scatter_with_timeout(
+    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, timeout: Timeout = None, *, out=None
+):
+    """:func:`reduce_scatter` with the timeout as a positional argument."""
+    return reduce_scatter(x, backend, op, out=out, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# all_to_all
+# ---------------------------------------------------------------------------
+
+
+def _all_to_all(
+    x, backend: Backend, out, timeout, opcode: int, blocking: bool
+) -> PendingCollective | np.ndarray:
+    state = backend._state
+    name = _status.OPS[opcode]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        _rows_divisible(x, state.size, name)
+        result, buf = output(out, x.shape, x.dtype, name)
+        x = _separate(x, buf, out)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    block = x.size // state.size
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Ialltoall([x, block, dt], [buf, block, dt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout, backend)
+
+
+def all_to_all(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.ndarray:
+    """Rank ``r`` sends chunk ``j`` of axis 0 to rank ``j`` and receives into chunk ``r``.
+
+    ``torch.distributed.all_to_all_single`` with equal splits.
+
+    Parameters
+    ----------
+    x : array_like
+        ``x.shape[0]`` must divide by the world size.
+    backend : Backend
+        The group.
+    out : numpy.ndarray, optional
+        Where to write the result (shape of ``x``).
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        Chunk ``j`` of the result is chunk ``rank`` of rank ``j``'s input.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> fm.SimulatedBackend.run(2, lambda b: fm.all_to_all(np.arange(4) + 10 * b.rank, b))
+    [array([ 0,  1, 10, 11]), array([ 2,  3, 12, 13])]
+    """
+    return _all_to_all(x, backend, out, timeout, _OP["all_to_all"], True)
+
+
+def async_all_to_all(
+    x, backend: Backend, *, out=None, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`all_to_all`; ``.wait()`` returns the array."""
+    return _all_to_all(x, backend, out, timeout, _OP["async_all_to_all"], False)
+
+
+def all_to_all_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out=None):
+    """:func:`all_to_all` with the timeout as a positional argument."""
+    return all_to_all(x, backend, out=out, timeout=timeout)
+
+
+def _splits(value, size: int, what: str, name: str) -> np.ndarray:
+    try:
+        splits = np.asarray(value)
+    except Exception:
+        splits = np.asarray([], dtype=object)
+    if splits.shape != (size,) or splits.dtype.kind not in "iu" or (splits < 0).any():
+        raise InvalidArgument(
+            f"{name}: {what} must be {size} non-negative integer row counts (one per rank), "
+            f"got {value!r}"
+        )
+    return splits.astype(np.int64)
+
+
+def all_to_all_single_uneven(
+    x,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int] | None,
+    backend: Backend,
+    *,
+    out=None,
+    timeout: Timeout = None,
+) -> np.ndarray:
+    """All-to-all with per-peer row counts (``all_to_all_single`` with split sizes).
+
+    Rank ``r`` sends rows ``send_splits[0]`` to rank 0, the next
+    ``send_splits[1]`` rows to rank 1, and so on; it receives
+    ``recv_splits[j]`` rows from rank ``j``, in rank order.
+
+    The ranks first exchange their split tables (one small all-gather), so
+    that every rank checks every pair before any payload moves.
+
+    Parameters
+    ----------
+    x : array_like
+        At least 1-D; rows are along axis 0. The other axes and the dtype
+        must agree on every rank.
+    send_splits : sequence of int
+        ``world_size`` row counts summing to ``x.shape[0]``.
+    recv_splits : sequence of int or None
+        ``world_size`` row counts, or ``None`` to take them from the peers.
+    backend : Backend
+        The group.
+    out : numpy.ndarray, optional
+        Where to write the result, shape ``(sum(recv_splits), *x.shape[1:])``.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        The rows received, from rank 0 first.
+
+    Raises
+    ------
+    InvalidArgument
+        Before communicating, for splits of the wrong length, negative counts,
+        or send counts that do not sum to ``x.shape[0]``. After the table
+        exchange, on every rank of the group, when a rank's ``recv_splits``
+        disagree with what its peers send, or ranks disagree on the dtype or
+        row shape; the message lists every disagreeing pair with its numbers.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     send = [1, 3] if b.rank == 0 else [2, 2]
+    ...     return fm.all_to_all_single_uneven(np.arange(4) + 10 * b.rank, send, None, b)
+    >>> fm.SimulatedBackend.run(2, f)
+    [array([ 0, 10, 11]), array([ 1,  2,  3, 12, 13])]
+    """
+    state = backend._state
+    opcode = _OP["all_to_all_single_uneven"]
+    name = "all_to_all_single_uneven"
+    size = state.size
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        if x.ndim == 0:
+            raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 of rows")
+        send = _splits(send_splits, size, "send_splits", name)
+        if int(send.sum()) != x.shape[0]:
+            raise InvalidArgument(
+                f"{name}: send_splits {send.tolist()} sum to {int(send.sum())} rows but the "
+                f"input has {x.shape[0]} rows"
+            )
+        recv = None if recv_splits is None else _splits(recv_splits, size, "recv_splits", name)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
+    header = np.empty(2 * size + 2, dtype=np.int64)
+    header[:size] = send
+    header[size : 2 * size] = -1 if recv is None else recv
+    header[2 * size] = row
+    header[2 * size + 1] = ord(x.dtype.char)
+    table = np.empty((size, 2 * size + 2), dtype=np.int64)
+    hdt = datatype_of(header, name)
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Iallgather([header, header.size, hdt], [table, header.size, hdt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    PendingCollective(state, opcode, seq, (req,), table, None, timeout).wait()
+
+    problems = _uneven_problems(table, size, x.shape[1:])
+    if problems:
+        state.end(_status.FAILED)
+        raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
+    received = table[:, state.rank]  # rows each peer sends to this rank
+    try:
+        result, buf = output(out, (int(received.sum()), *x.shape[1:]), x.dtype, name)
+    except FerrompiError:
+        state.end(_status.FAILED)
+        raise
+    x = _separate(x, buf, out)
+    scounts = send * row
+    rcounts = received * row
+    sdispls = np.concatenate(([0], np.cumsum(scounts)[:-1]))
+    rdispls = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
+    try:
+        req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    keep = (x, scounts, sdispls, rcounts, rdispls)
+    return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout, backend)
+
+
+def _uneven_problems(table: np.ndarray, size: int, row_shape: tuple[int, ...]) -> list[str]:
+    """Every disagreement in the gathered split tables, the same on every rank."""
+    problems = []
+    rows, dtypes = table[:, 2 * size], table[:, 2 * size + 1]
+    if (rows != rows[0]).any() or (dtypes != dtypes[0]).any():
+        for r in range(size):
+            problems.append(f"rank {r}: {int(rows[r])} elements of {np.dtype(chr(dtypes[r]))}")
+        return ["ranks disagree on the row size or dtype (rows of " + ", ".join(problems) + ")"]
+    for dst in range(size):
+        for src in range(size):
+            sent = int(table[src, dst])
+            expected = int(table[dst, size + src])
+            if expected >= 0 and expected != sent:
+                problems.append(
+                    f"rank {src} sends {sent} rows to rank {dst}, which expects {expected} "
+                    f"(its recv_splits[{src}])"
+                )
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# barrier
+# ---------------------------------------------------------------------------
+
+
+def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
+    """Block until every rank of the group has called ``barrier`` (``Ibarrier``).
+
+    Examples
+    --------
+    >>> import ferrompi as fm
+    >>> fm.SimulatedBackend.run(3, fm.barrier)
+    [None, None, None]
+    """
+    state = backend._state
+    opcode = _OP["barrier"]
+    timeout = timeout_seconds(timeout, backend._timeout)
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Ibarrier()
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error("barrier", exc) from None
+    complete(
+        state, opcode, seq, req, None, timeout=timeout
+    )

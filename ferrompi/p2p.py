@@ -1,0 +1,395 @@
+"""Point-to-point messages: ``send``, ``recv``, ``recv_into``, ``sendrecv``, ``isend``, ``irecv``.
+
+Blocking receives first probe for the message (``Comm.Improbe``), so a
+message that does not fit the receive buffer is reported exactly
+(:class:`~ferrompi.SizeMismatch` with both element counts) and consumed,
+leaving the communicator clean. Every call runs under a timeout, like the
+collectives.
+
+Examples
+--------
+>>> import numpy as np, ferrompi as fm
+>>> def f(b):
+...     if b.rank == 0:
+...         fm.send(np.arange(3.0), 1, b)
+...         return None
+...     return fm.recv((3,), 0, b, dtype=np.float64)
+>>> fm.SimulatedBackend.run(2, f)[1]
+array([0., 1., 2.])
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+
+from . import _status
+from ._arrays import as_input, check_rank, datatype_of, output
+from ._mpi import MPI
+from ._progress import PendingCollective, complete, mpi_error, timeout_seconds
+from ._simcomm import SimComm
+from .backend import Backend
+from .errors import FerrompiError, InvalidArgument, SelfSend, SizeMismatch
+
+__all__ = [
+    "send",
+    "recv",
+    "recv_into",
+    "sendrecv",
+    "isend",
+    "irecv",
+    "recv_with_timeout",
+    "recv_into_with_timeout",
+]
+
+Timeout = float | timedelta | None
+_OP = _status.OPCODE
+_TAG_UB: list[int] = []
+
+
+def _tag(tag, name: str) -> int:
+    if not _TAG_UB:
+        _TAG_UB.append(int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)))
+    if (
+        isinstance(tag, bool)
+        or not isinstance(tag, (int, np.integer))
+        or not (0 <= tag <= _TAG_UB[0])
+    ):
+        raise InvalidArgument(f"{name}: tag must be an integer in [0, {_TAG_UB[0]}], got {tag!r}")
+    return int(tag)
+
+
+def _peer(state, peer, name: str, what: str) -> int:
+    peer = check_rank(peer, state.size, what, name)
+    if peer == state.rank:
+        raise SelfSend(peer, name)
+    return peer
+
+
+class _ProbedRecv:
+    """A request-like receive: probe, check the size, then receive.
+
+    ``Test`` returns True once the message is in the buffer; it raises
+    :class:`SizeMismatch` (after consuming the message) if it does not fit.
+    """
+
+    __slots__ = ("_buf", "_comm", "_dt", "_op", "_probe", "_req", "_source", "_tag", "block_until")
+
+    def __init__(self, comm, source: int, tag: int, buf: np.ndarray, dt, op: str) -> None:
+        self._comm = comm
+        self._source = source
+        self._tag = tag
+        self._buf = buf
+        self._dt = dt
+        self._op = op
+        self._probe = MPI.Status()
+        self._req = None
+        self.block_until = self._block if isinstance(comm, SimComm) else None
+
+    def Test(self, status=None) -> bool:  # noqa: N802 - a request's name
+        if self._req is None:
+            message = self._comm.Improbe(self._source, self._tag, self._probe)
+            if message is None:
+                return False
+            nbytes = self._probe.Get_count(MPI.BYTE)
+            buf = self._buf
+            if nbytes != buf.nbytes:
+                message.Recv([np.empty(nbytes, np.uint8), nbytes, MPI.BYTE])
+                raise SizeMismatch(buf.size, nbytes // buf.itemsize, self._op)
+            self._req = message.Irecv([buf, buf.size, self._dt])
+        return self._req.Test(status)
+
+    def _block(self, deadline: float, status=None) -> bool:
+        while not self.Test(status):
+            if self._req is not None:
+                return self._req.block_until(deadline, status)
+            if not self._comm.wait_message(self._source, self._tag, deadline):
+                return False
+        return True
+
+
+def _copy_back(result: np.ndarray, staged: np.ndarray) -> None:
+    np.copyto(result, staged)
+
+
+def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> PendingCollective:
+    state = backend._state
+    name = _status.OPS[opcode]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        src = _peer(state, src, name, "src")
+        tag = _tag(tag, name)
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgument(f"{name}: out must be a numpy array, not {type(out).__name__}")
+        result, buf = output(out, out.shape, out.dtype, name)
+        dt = datatype_of(buf, name)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    state.begin(opcode, state.world_ranks[src])
+    req = _ProbedRecv(state.comm, src, tag, buf, dt, name)
+    return PendingCollective(
+        state,
+        opcode,
+        0,
+        (req,),
+        result,
+        None if buf is result else _copy_back,
+        timeout,
+        peer=src,
+        keep=None if buf is result else buf,
+    )
+
+
+def _shape(shape, name: str) -> tuple[int, ...]:
+    try:
+        dims = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise InvalidArgument(
+            f"{name}: shape must be a sequence of integers, got {shape!r}"
+        ) from None
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{name}: shape {dims} has a negative dimension")
+    return dims
+
+
+def _dtype(dtype, name: str) -> np.dtype:
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument(f"{name}: {dtype!r} is not a dtype") from None
+
+
+# ---------------------------------------------------------------------------
+
+
+def send(x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None) -> None:
+    """Send ``x`` to rank ``dst``; returns when the buffer may be reused.
+
+    Parameters
+    ----------
+    x : array_like
+        The data.
+    dst : int
+        Destination rank, not this rank.
+    backend : Backend
+        The group.
+    tag : int
+        Message tag (``0 <= tag <= MPI.TAG_UB``); the receive must use the same.
+    timeout : float or datetime.timedelta, optional
+        Deadline for the send to complete.
+
+    Raises
+    ------
+    SelfSend
+        If ``dst`` is this rank (an :class:`InvalidArgument`).
+    InvalidRank
+        If ``dst`` is not in ``[0, world_size)``.
+    """
+    _send(x, dst, backend, tag, timeout, True)
+
+
+def isend(
+    x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`send`; ``.wait()`` returns ``None``. Do not modify ``x`` until then."""
+    return _send(x, dst, backend, tag, timeout, False)
+
+
+def _send(x, dst, backend: Backend, tag, timeout, blocking: bool):
+    state = backend._state
+    opcode = _OP["isend"]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        dst = _peer(state, dst, "send", "dst")
+        tag = _tag(tag, "send")
+        x = as_input(x, "send")
+        dt = datatype_of(x, "send")
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    state.begin(opcode, state.world_ranks[dst])
+    try:
+        req = state.comm.Isend([x, x.size, dt], dst, tag)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error("send", exc) from None
+    if blocking:
+        return complete(state, opcode, 0, req, None, None, x, timeout, dst)
+    return PendingCollective(state, opcode, 0, (req,), None, None, timeout, peer=dst, keep=x)
+
+
+def recv(
+    shape, src: int, backend: Backend, dtype=np.float32, tag: int = 0, *, timeout: Timeout = None
+) -> np.ndarray:
+    """Receive an array of ``shape`` and ``dtype`` from rank ``src``.
+
+    Parameters
+    ----------
+    shape : int or sequence of int
+        Shape of the incoming array.
+    src : int
+        Source rank, not this rank.
+    backend : Backend
+        The group.
+    dtype : dtype
+        The incoming dtype (default float32, as the reference's ``recv::<f32>``).
+    tag : int
+        Message tag.
+    timeout : float or datetime.timedelta, optional
+        Deadline for the message to arrive.
+
+    Returns
+    -------
+    numpy.ndarray
+
+    Raises
+    ------
+    SizeMismatch
+        If the message does not hold exactly ``prod(shape)`` elements of
+        ``dtype`` (the message is consumed).
+    CollectiveTimeout
+        If no message arrives in time; says what ``src`` is doing.
+    """
+    out = np.empty(_shape(shape, "recv"), _dtype(dtype, "recv"))
+    return _recv_pending(out, src, backend, tag, timeout, _OP["recv"]).wait()
+
+
+def recv_into(
+    out: np.ndarray, src: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
+) -> np.ndarray:
+    """Receive from ``src`` into the caller's array ``out``, in place; returns ``out``.
+
+    Raises
+    ------
+    SizeMismatch
+        If the message does not hold exactly ``out.size`` elements of ``out.dtype``.
+    """
+    return _recv_pending(out, src, backend, tag, timeout, _OP["recv_into"]).wait()
+
+
+def irecv(
+    shape,
+    src: int,
+    backend: Backend,
+    dtype=np.float32,
+    tag: int = 0,
+    *,
+    out=None,
+    timeout: Timeout = None,
+) -> PendingCollective:
+    """Post a receive (``Irecv``) now; ``.wait()`` returns the array.
+
+    Posting early lets MPI deliver straight into the buffer. A message larger
+    than the buffer raises :class:`SizeMismatch` from ``wait``.
+    """
+    state = backend._state
+    opcode = _OP["irecv"]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        src = _peer(state, src, "irecv", "src")
+        tag = _tag(tag, "irecv")
+        result, buf = output(out, _shape(shape, "irecv"), _dtype(dtype, "irecv"), "irecv")
+        dt = datatype_of(buf, "irecv")
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    state.begin(opcode, state.world_ranks[src])
+    status = MPI.Status()
+    try:
+        req = state.comm.Irecv([buf, buf.size, dt], src, tag)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error("irecv", exc) from None
+
+    def finish(result: np.ndarray, buf: np.ndarray) -> None:
+        got = status.Get_count(MPI.BYTE)
+        if got != buf.nbytes:
+            raise SizeMismatch(buf.size, got // buf.itemsize, "irecv")
+        if buf is not result:
+            np.copyto(result, buf)
+
+    return PendingCollective(
+        state,
+        opcode,
+        0,
+        (req,),
+        result,
+        finish,
+        timeout,
+        statuses=(status,),
+        peer=src,
+        expected=buf.size,
+        keep=buf,
+    )
+
+
+def sendrecv(
+    x, recv_shape, peer: int, backend: Backend, tag: int = 0, *, out=None, timeout: Timeout = None
+) -> np.ndarray:
+    """Send ``x`` to ``peer`` and receive ``peer``'s array of ``recv_shape`` (same dtype).
+
+    Both directions proceed together, so two ranks exchanging with each
+    other cannot deadlock.
+
+    Returns
+    -------
+    numpy.ndarray
+        What ``peer`` sent, shape ``recv_shape``, dtype of ``x``.
+
+    Raises
+    ------
+    SizeMismatch
+        If the peer's message does not hold exactly ``prod(recv_shape)`` elements.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> fm.SimulatedBackend.run(2, lambda b: fm.sendrecv(np.full(2, b.rank), (2,), 1 - b.rank, b))
+    [array([1, 1]), array([0, 0])]
+    """
+    state = backend._state
+    opcode = _OP["sendrecv"]
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        peer = _peer(state, peer, "sendrecv", "peer")
+        tag = _tag(tag, "sendrecv")
+        x = as_input(x, "sendrecv")
+        dt = datatype_of(x, "sendrecv")
+        result, buf = output(out, _shape(recv_shape, "sendrecv"), x.dtype, "sendrecv")
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    state.begin(opcode, state.world_ranks[peer])
+    try:
+        sreq = state.comm.Isend([x, x.size, dt], peer, tag)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error("sendrecv", exc) from None
+    rreq = _ProbedRecv(state.comm, peer, tag, buf, dt, "sendrecv")
+    return PendingCollective(
+        state,
+        opcode,
+        0,
+        (rreq, sreq),
+        result,
+        None if buf is result else _copy_back,
+        timeout,
+        peer=peer,
+        keep=None if buf is result else buf,
+    ).wait()
+
+
+def recv_with_timeout(
+    shape, src: int, backend: Backend, timeout: Timeout = None, dtype=np.float32, tag: int = 0
+) -> np.ndarray:
+    """:func:`recv` with the timeout as a positional argument (the reference's name)."""
+    return recv(shape, src, backend, dtype, tag, timeout=timeout)
+
+
+def recv_into_with_timeout(
+    out: np.ndarray, src: int, backend: Backend, timeout: Timeout = None, tag: int = 0
+) -> np.ndarray:
+    """:func:`recv_into` with the timeout as a positional argument."""
+    return recv_into(out, src, backend, tag, timeout=timeout)
