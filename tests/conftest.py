@@ -1,0 +1,74 @@
+"""Selection of tests for the plain run and the MPI runs.
+
+* Plain ``pytest``: everything except tests marked ``mpi``; tests that take
+  the ``group`` fixture run on simulated groups of 1, 2, 3 and 4 ranks.
+* ``mpiexec -n N python -m pytest --with-mpi``: only tests marked ``mpi`` or
+  taking ``group`` (then run on the world of N ranks); tests marked
+  ``mpi(min_size=k)`` with ``k > N`` are deselected, not skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("FERROMPI_TIMEOUT", "30")  # read by ferrompi at import
+sys.path.insert(0, os.path.dirname(__file__))
+
+from support import Group, set_verdict_comm
+
+SIM_SIZES = (1, 2, 3, 4)
+
+
+def _with_mpi(config) -> bool:
+    return bool(config.getoption("with_mpi", default=False))
+
+
+def pytest_configure(config):
+    if _with_mpi(config):
+        from mpi4py import MPI
+
+        import ferrompi
+
+        ferrompi.init()
+        set_verdict_comm(MPI.COMM_WORLD.Dup())
+
+
+GROUP_FIXTURES = {"group": 1, "multigroup": 2}  # fixture name -> smallest group size
+
+
+def pytest_generate_tests(metafunc):
+    for name, smallest in GROUP_FIXTURES.items():
+        if name not in metafunc.fixturenames:
+            continue
+        if _with_mpi(metafunc.config):
+            from mpi4py import MPI
+
+            size = MPI.COMM_WORLD.size
+            groups = [Group("mpi", size)] if size >= smallest else []
+        else:
+            groups = [Group("sim", n) for n in SIM_SIZES if n >= smallest]
+        metafunc.parametrize(name, groups, ids=repr)
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    if _with_mpi(config):
+        from mpi4py import MPI
+
+        size = MPI.COMM_WORLD.size
+        for item in items:
+            marker = item.get_closest_marker("mpi")
+            uses_group = any(n in GROUP_FIXTURES for n in getattr(item, "fixturenames", ()))
+            if marker is None and not uses_group:
+                drop.append(item)
+            elif marker is not None and marker.kwargs.get("min_size", 1) > size:
+                drop.append(item)
+            else:
+                keep.append(item)
+    else:
+        for item in items:
+            (drop if item.get_closest_marker("mpi") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

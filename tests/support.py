@@ -1,0 +1,87 @@
+"""Test support shared by the plain and the MPI runs.
+
+A test written against :class:`Group` runs its per-rank function ``fn(backend)``
+on every rank of a group: under plain pytest on a simulated group (threads in
+one process; a group of one is real MPI on ``COMM_SELF``), under
+``mpiexec -n N python -m pytest --with-mpi`` on a fresh duplicate of
+``COMM_WORLD``. Per-rank functions assert against numpy references computed
+from seeds, so every rank can compute every rank's input.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import ferrompi as fm
+
+FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "conformance.json"
+
+
+def load_fixtures() -> dict:
+    with open(FIXTURES) as f:
+        return json.load(f)
+
+
+def rank_data(rank: int, shape, dtype=np.float64, seed: int = 0) -> np.ndarray:
+    """Deterministic per-rank test data: exact small values of ``dtype``."""
+    rng = np.random.default_rng([seed, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        lo, hi = max(int(info.min), -20), min(int(info.max), 20)
+        return rng.integers(lo, hi + 1, size=shape).astype(dtype)
+    values = rng.integers(-16, 17, size=shape) / 4
+    if dtype.kind == "c":
+        values = values + 1j * (rng.integers(-16, 17, size=shape) / 4)
+    return values.astype(dtype)
+
+
+class Group:
+    """Runs a per-rank function on a simulated group or on the MPI world."""
+
+    def __init__(self, kind: str, size: int) -> None:
+        self.kind = kind
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.size}"
+
+    def run(self, fn, *args, timeout=None):
+        """Run ``fn(backend, *args)`` on every rank; return this process's results.
+
+        Simulated: the list of every rank's result. MPI: a one-element list with
+        this rank's result; if any rank raised, every rank fails.
+        """
+        if self.kind == "sim":
+            return fm.SimulatedBackend.run(self.size, fn, *args, timeout=timeout)
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD.Dup()
+        backend = fm.MPIBackend(comm, timeout=timeout)
+        error = None
+        try:
+            result = fn(backend, *args)
+        except BaseException as exc:
+            error, result = exc, None
+        ok = np.array([0 if error else 1], np.int32)
+        everyone = np.empty_like(ok)
+        _VERDICT.Allreduce(ok, everyone, MPI.MIN)
+        if error is not None:
+            raise error
+        if not everyone[0]:
+            pytest.fail("another rank failed this test (see its report)")
+        return [result]
+
+
+_VERDICT = None
+
+
+def set_verdict_comm(comm) -> None:
+    global _VERDICT
+    _VERDICT = comm

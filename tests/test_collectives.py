@@ -1,0 +1,405 @@
+"""Every collective against numpy, on simulated groups (plain pytest) and under mpiexec.
+
+Each per-rank function computes every rank's input from seeds, so it checks
+its own result against a numpy reference without communicating.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from support import rank_data
+
+import ferrompi as fm
+from ferrompi import ReduceOp
+
+ALL_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdgFDG"]
+
+_NUMPY_REDUCE = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+_BOOL_REDUCE = {
+    ReduceOp.SUM: np.logical_or,
+    ReduceOp.MAX: np.logical_or,
+    ReduceOp.BOR: np.logical_or,
+    ReduceOp.PRODUCT: np.logical_and,
+    ReduceOp.MIN: np.logical_and,
+    ReduceOp.BAND: np.logical_and,
+    ReduceOp.BXOR: np.logical_xor,
+}
+
+
+def allowed(op: ReduceOp, dtype: np.dtype) -> bool:
+    kind = dtype.kind
+    if op is ReduceOp.MEAN:
+        return kind in "fc"
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        return kind != "c"
+    if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
+        return kind in "biu"
+    return True
+
+
+def reference_reduce(arrays, op: ReduceOp, dtype: np.dtype) -> np.ndarray:
+    if op is ReduceOp.MEAN:
+        total = functools.reduce(np.add, arrays)
+        return (total / len(arrays)).astype(dtype)
+    ufunc = (_BOOL_REDUCE if dtype.kind == "b" else _NUMPY_REDUCE)[op]
+    return functools.reduce(lambda a, b: ufunc(a, b).astype(dtype), arrays)
+
+
+def assert_matches(actual, expected, dtype):
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
+    if dtype.kind in "fc":
+        rtol = 1e-3 if dtype.itemsize <= 4 and dtype.kind == "f" and dtype.itemsize == 2 else 1e-6
+        np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol)
+    else:
+        np.testing.assert_array_equal(actual, expected)
+
+
+# ---------------------------------------------------------------------------
+# allreduce
+# ---------------------------------------------------------------------------
+
+OP_DTYPE = [
+    (op, dt)
+    for op in [
+        ReduceOp.SUM,
+        ReduceOp.MEAN,
+        ReduceOp.PRODUCT,
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    ]
+    for dt in ALL_DTYPES
+    if allowed(op, dt)
+]
+
+
+def _allreduce_all(b):
+    size = b.world_size
+    for op, dtype in OP_DTYPE:
+        shape = (3, 2)
+        inputs = [rank_data(r, shape, dtype, seed=7) for r in range(size)]
+        if op is ReduceOp.PRODUCT and dtype.kind in "iu":  # keep products in range
+            inputs = [np.clip(a, -3 if dtype.kind == "i" else 0, 3).astype(dtype) for a in inputs]
+        got = fm.allreduce(inputs[b.rank], b, op)
+        assert_matches(got, reference_reduce(inputs, op, dtype), dtype)
+    return len(OP_DTYPE)
+
+
+def test_allreduce_every_op_and_dtype(group):
+    assert group.run(_allreduce_all)[0] == len(OP_DTYPE)
+
+
+def _allreduce_out_inplace_noncontiguous(b):
+    size, rank = b.world_size, b.rank
+    inputs = [rank_data(r, (4, 6)) for r in range(size)]
+    expected = sum(inputs)
+    # out= a separate array: written and returned
+    out = np.full((4, 6), -1.0)
+    assert fm.allreduce(inputs[rank], b, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    # in place: out is x
+    x = inputs[rank].copy()
+    assert fm.allreduce(x, b, out=x) is x
+    np.testing.assert_array_equal(x, expected)
+    # non-contiguous input and non-contiguous out
+    wide = np.zeros((4, 12))
+    wide[:, ::2] = inputs[rank]
+    strided_out = np.zeros((6, 4)).T  # Fortran-ordered view
+    fm.allreduce(wide[:, ::2], b, out=strided_out)
+    np.testing.assert_array_equal(strided_out, expected)
+    np.testing.assert_array_equal(wide[:, ::2], inputs[rank])  # input untouched
+    # out overlapping the input without being it
+    buf = np.concatenate([inputs[rank].ravel(), np.zeros(1)])
+    fm.allreduce(buf[:-1].reshape(4, 6), b, out=buf[1:].reshape(4, 6))
+    np.testing.assert_array_equal(buf[1:].reshape(4, 6), expected)
+    # lists, 0-d, empty, big-endian
+    assert fm.allreduce([1, 2], b).tolist() == [size, 2 * size]
+    assert fm.allreduce(np.float32(rank), b).shape == ()
+    assert fm.allreduce(np.float32(rank), b) == sum(range(size))
+    assert fm.allreduce(np.zeros((0, 3)), b).shape == (0, 3)
+    big = np.arange(3, dtype=">i4") + rank
+    got = fm.allreduce(big, b)
+    assert got.dtype == np.dtype("int32")
+    np.testing.assert_array_equal(got, sum(np.arange(3) + r for r in range(size)))
+
+
+def test_allreduce_out_inplace_and_layouts(group):
+    group.run(_allreduce_out_inplace_noncontiguous)
+
+
+def _allreduce_rejects_before_communicating(b):
+    with pytest.raises(fm.UnsupportedOp, match="MEAN"):
+        fm.allreduce(np.arange(3), b, ReduceOp.MEAN)
+    with pytest.raises(fm.UnsupportedOp, match="MAX.*complex"):
+        fm.allreduce(np.ones(2, complex), b, ReduceOp.MAX)
+    with pytest.raises(fm.UnsupportedOp, match="BAND"):
+        fm.allreduce(np.ones(2), b, ReduceOp.BAND)
+    with pytest.raises(fm.InvalidArgument, match="ReduceOp"):
+        fm.allreduce(np.ones(2), b, "sum")
+    with pytest.raises(fm.InvalidArgument, match="dtype"):
+        fm.allreduce(np.array(["a"]), b)
+    with pytest.raises(fm.InvalidArgument, match=r"shape \(2,\).*expected shape \(3,\)"):
+        fm.allreduce(np.ones(3), b, out=np.ones(2))
+    with pytest.raises(fm.InvalidArgument, match="dtype float32"):
+        fm.allreduce(np.ones(3), b, out=np.ones(3, np.float32))
+    with pytest.raises(fm.InvalidArgument, match="read-only"):
+        ro = np.ones(3)
+        ro.flags.writeable = False
+        fm.allreduce(np.ones(3), b, out=ro)
+    with pytest.raises(fm.InvalidArgument, match="timeout"):
+        fm.allreduce(np.ones(3), b, timeout=-1)
+    # the group is still healthy: every rank rejected the same calls locally
+    np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, b.world_size))
+
+
+def test_allreduce_errors_raise_locally_and_leave_group_healthy(group):
+    group.run(_allreduce_rejects_before_communicating)
+
+
+# ---------------------------------------------------------------------------
+# broadcast, all_gather, reduce_scatter, all_to_all
+# ---------------------------------------------------------------------------
+
+
+def _broadcast(b):
+    size, rank = b.world_size, b.rank
+    for root in range(size):
+        for dtype in (np.float32, np.int64, np.complex128, np.bool_):
+            x = rank_data(rank, (2, 3), dtype, seed=root)
+            got = fm.broadcast(x, b, root=root)
+            np.testing.assert_array_equal(got, rank_data(root, (2, 3), dtype, seed=root))
+            assert got is not x
+        y = rank_data(rank, 5, seed=11)
+        assert fm.broadcast(y, b, root, out=y) is y  # in place
+        np.testing.assert_array_equal(y, rank_data(root, 5, seed=11))
+    with pytest.raises(fm.InvalidRank) as info:
+        fm.broadcast(np.ones(2), b, root=size)
+    assert info.value.rank == size and info.value.world_size == size
+    with pytest.raises(fm.InvalidRank):
+        fm.broadcast(np.ones(2), b, root=-1)
+
+
+def test_broadcast_every_root(group):
+    group.run(_broadcast)
+
+
+def _all_gather(b):
+    size, rank = b.world_size, b.rank
+    for shape in [(), (1,), (3,), (2, 4), (0, 2)]:
+        for dtype in (np.float64, np.int8, np.complex64):
+            parts = [rank_data(r, shape, dtype) for r in range(size)]
+            got = fm.all_gather(parts[rank], b)
+            expected = np.concatenate([np.atleast_1d(p) for p in parts])
+            np.testing.assert_array_equal(got, expected)
+    out = np.empty((2 * size, 3))
+    mine = rank_data(rank, (2, 3))
+    assert fm.all_gather(mine, b, out=out) is out
+    np.testing.assert_array_equal(out, np.concatenate([rank_data(r, (2, 3)) for r in range(size)]))
+    with pytest.raises(fm.InvalidArgument, match=rf"expected shape \({2 * size}, 3\)"):
+        fm.all_gather(mine, b, out=np.empty((1, 3)))
+
+
+def test_all_gather_shapes(group):
+    group.run(_all_gather)
+
+
+def _reduce_scatter(b):
+    size, rank = b.world_size, b.rank
+    for op, dtype in [
+        (ReduceOp.SUM, np.float64),
+        (ReduceOp.MEAN, np.float32),
+        (ReduceOp.MAX, np.int32),
+        (ReduceOp.BXOR, np.uint16),
+        (ReduceOp.PRODUCT, np.float64),
+    ]:
+        dtype = np.dtype(dtype)
+        inputs = [rank_data(r, (2 * size, 3), dtype, seed=3) for r in range(size)]
+        total = reference_reduce(inputs, op, dtype)
+        got = fm.reduce_scatter(inputs[rank], b, op)
+        assert_matches(got, total[2 * rank : 2 * rank + 2], dtype)
+    assert fm.reduce_scatter_tensor is fm.reduce_scatter
+    if size > 1:  # every row count divides by 1
+        with pytest.raises(fm.InvalidArgument, match=rf"{size + 1} rows.*world size {size}"):
+            fm.reduce_scatter(np.ones(size + 1), b)
+    with pytest.raises(fm.InvalidArgument, match="0-d"):
+        fm.reduce_scatter(np.float64(1), b)
+
+
+def test_reduce_scatter(group):
+    group.run(_reduce_scatter)
+
+
+def _all_to_all(b):
+    size, rank = b.world_size, b.rank
+    inputs = [rank_data(r, (3 * size, 2), np.int64) for r in range(size)]
+    got = fm.all_to_all(inputs[rank], b)
+    expected = np.concatenate([inputs[s][3 * rank : 3 * rank + 3] for s in range(size)])
+    np.testing.assert_array_equal(got, expected)
+    if size > 1:
+        with pytest.raises(fm.InvalidArgument, match=f"does not divide by the world size {size}"):
+            fm.all_to_all(np.ones(size + 1), b)
+
+
+def test_all_to_all(group):
+    group.run(_all_to_all)
+
+
+# ---------------------------------------------------------------------------
+# uneven all-to-all
+# ---------------------------------------------------------------------------
+
+
+def _split_table(size: int, seed: int) -> np.ndarray:
+    """splits[s, d] rows from rank s to rank d, zeros included."""
+    return np.random.default_rng(seed).integers(0, 4, size=(size, size))
+
+
+def _uneven(b, seed, row_shape, pass_recv):
+    size, rank = b.world_size, b.rank
+    table = _split_table(size, seed)
+    inputs = [
+        rank_data(s, (int(table[s].sum()), *row_shape), np.float32, seed=seed) for s in range(size)
+    ]
+    offsets = [np.concatenate([[0], np.cumsum(table[s])]) for s in range(size)]
+    expected = np.concatenate(
+        [inputs[s][offsets[s][rank] : offsets[s][rank + 1]] for s in range(size)]
+    )
+    recv = table[:, rank].tolist() if pass_recv else None
+    got = fm.all_to_all_single_uneven(inputs[rank], table[rank].tolist(), recv, b)
+    np.testing.assert_array_equal(got, expected)
+    assert got.shape == (int(table[:, rank].sum()), *row_shape)
+
+
+@pytest.mark.parametrize("pass_recv", [True, False], ids=["recv_splits", "recv_None"])
+@pytest.mark.parametrize("row_shape", [(), (3,), (2, 2)])
+def test_uneven_all_to_all(group, row_shape, pass_recv):
+    for seed in range(3):
+        group.run(_uneven, seed, row_shape, pass_recv)
+
+
+def _uneven_disagreeing_recv_splits(b):
+    size, rank = b.world_size, b.rank
+    send = [1] * size
+    recv = [1] * size
+    if rank == size - 1:
+        recv[0] = 2  # the last rank expects 2 rows from rank 0, which sends 1
+    with pytest.raises(fm.InvalidArgument) as info:
+        fm.all_to_all_single_uneven(np.ones(size), send, recv, b)
+    message = str(info.value)
+    assert f"rank 0 sends 1 rows to rank {size - 1}, which expects 2" in message
+    # everyone raised, nobody hangs: the group still works
+    np.testing.assert_array_equal(fm.allreduce(np.ones(1), b), [size])
+
+
+def test_uneven_disagreeing_splits_raise_on_every_rank(multigroup):
+    multigroup.run(_uneven_disagreeing_recv_splits)
+
+
+def _uneven_row_shape_mismatch(b):
+    size, rank = b.world_size, b.rank
+    x = np.ones((size, 2 if rank == 0 else 3))
+    with pytest.raises(fm.InvalidArgument, match="disagree on the row size"):
+        fm.all_to_all_single_uneven(x, [1] * size, None, b)
+
+
+def test_uneven_row_shape_mismatch_raises_on_every_rank(multigroup):
+    multigroup.run(_uneven_row_shape_mismatch)
+
+
+def _uneven_local_errors(b):
+    size = b.world_size
+    with pytest.raises(
+        fm.InvalidArgument, match=f"sum to {size + 1} rows but the input has {size}"
+    ):
+        fm.all_to_all_single_uneven(np.ones(size), [1] * (size - 1) + [2], None, b)
+    with pytest.raises(fm.InvalidArgument, match=f"{size} non-negative integer row counts"):
+        fm.all_to_all_single_uneven(np.ones(size), [1] * (size + 1), None, b)
+    with pytest.raises(fm.InvalidArgument, match="non-negative"):
+        fm.all_to_all_single_uneven(np.ones(size), [-1] + [1] * (size - 1), None, b)
+    with pytest.raises(fm.InvalidArgument, match="recv_splits"):
+        fm.all_to_all_single_uneven(np.ones(size), [1] * size, [1.5] * size, b)
+    with pytest.raises(fm.InvalidArgument, match="0-d"):
+        fm.all_to_all_single_uneven(np.float64(1), [1] * size, None, b)
+
+
+def test_uneven_local_errors(group):
+    group.run(_uneven_local_errors)
+
+
+# ---------------------------------------------------------------------------
+# barrier, async, aliases
+# ---------------------------------------------------------------------------
+
+
+def _async_forms(b):
+    size, rank = b.world_size, b.rank
+    x = rank_data(rank, (2 * size, 2), seed=5)
+    inputs = [rank_data(r, (2 * size, 2), seed=5) for r in range(size)]
+    works = {
+        "async_allreduce": (fm.async_allreduce(x, b), sum(inputs)),
+        "async_broadcast": (fm.async_broadcast(x, b, 0), inputs[0]),
+        "async_all_gather": (fm.async_all_gather(x, b), np.concatenate(inputs)),
+        "async_reduce_scatter": (
+            fm.async_reduce_scatter(x, b),
+            sum(inputs)[2 * rank : 2 * rank + 2],
+        ),
+        "async_all_to_all": (
+            fm.async_all_to_all(x, b),
+            np.concatenate([inputs[s][2 * rank : 2 * rank + 2] for s in range(size)]),
+        ),
+    }
+    local = np.arange(10.0) ** 2  # overlapping computation
+    for name, (work, expected) in works.items():
+        assert work.op_name == name
+        np.testing.assert_array_equal(work.wait(), expected)
+        assert work.is_completed()
+        np.testing.assert_array_equal(work.wait(), expected)  # idempotent
+    assert local.sum() == 285.0
+    work = fm.async_allreduce(np.ones(2), b)
+    while not work.is_completed():
+        pass
+    np.testing.assert_array_equal(work.wait(), [size, size])
+    assert "completed" in repr(work)
+
+
+def test_async_forms_match_sync(group):
+    group.run(_async_forms)
+
+
+def _aliases(b):
+    size, rank = b.world_size, b.rank
+    x = rank_data(rank, (size * 2,), seed=9)
+    inputs = [rank_data(r, (size * 2,), seed=9) for r in range(size)]
+    np.testing.assert_array_equal(fm.allreduce_with_timeout(x, b, ReduceOp.SUM, 5.0), sum(inputs))
+    np.testing.assert_array_equal(fm.all_gather_with_timeout(x, b, 5.0), np.concatenate(inputs))
+    np.testing.assert_array_equal(
+        fm.reduce_scatter_with_timeout(x, b, ReduceOp.SUM, 5.0),
+        sum(inputs)[2 * rank : 2 * rank + 2],
+    )
+    np.testing.assert_array_equal(
+        fm.all_to_all_with_timeout(x, b, 5.0),
+        np.concatenate([inputs[s][2 * rank : 2 * rank + 2] for s in range(size)]),
+    )
+    from datetime import timedelta
+
+    np.testing.assert_array_equal(fm.allreduce(x, b, timeout=timedelta(seconds=2)), sum(inputs))
+    fm.barrier(b)
+    fm.barrier(b, timeout=2.0)
+
+
+def test_with_timeout_aliases_and_barrier(group):
+    group.run(_aliases)

@@ -1,0 +1,124 @@
+"""Timeouts: nothing hangs, and the error says who is missing and what it is doing."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import ferrompi as fm
+from ferrompi._progress import timeout_seconds
+
+
+def _late_rank(b):
+    size, rank = b.world_size, b.rank
+    late = size - 1
+    fm.barrier(b)  # collective #1
+    if rank == late:
+        time.sleep(1.2)  # busy outside ferrompi
+        # The others gave up on #2, but their operation is still posted (MPI cannot
+        # cancel it) and its buffers are kept alive: the late rank completes it.
+        np.testing.assert_array_equal(fm.allreduce(np.ones(2), b, timeout=5.0), [size, size])
+        return
+    start = time.monotonic()
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        fm.allreduce(np.ones(2), b, timeout=0.5)
+    elapsed = time.monotonic() - start
+    assert 0.5 <= elapsed < 5.0
+    err = info.value
+    assert err.seconds == 0.5
+    assert isinstance(err, TimeoutError)
+    assert err.missing == (late,)
+    text = str(err)
+    assert "timed out after 0.5 s" in text
+    assert f"rank {late} has not reached allreduce #2" in text
+    assert "its last collective here is barrier #1" in text
+    assert "has not entered ferrompi since" in text  # busy computing
+    # the backend is now broken: later calls fail at once
+    start = time.monotonic()
+    with pytest.raises(fm.DistributedError, match="unusable"):
+        fm.barrier(b)
+    assert time.monotonic() - start < 0.5
+
+
+def test_late_rank_is_named(multigroup):
+    multigroup.run(_late_rank)
+
+
+def _rank_in_other_call(b):
+    """Rank 1 waits in a recv from rank 0 while rank 0 waits in a barrier."""
+    size, rank = b.world_size, b.rank
+    if rank == 1:
+        with pytest.raises(fm.CollectiveTimeout) as info:
+            fm.recv((1,), 0, b, timeout=1.0)
+        assert "recv with rank 0 timed out after 1 s" in str(info.value)
+        assert "rank 0 timed out in barrier #1 on this group" in str(info.value)
+        return
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        fm.barrier(b, timeout=0.5)
+    assert 1 in info.value.missing
+    assert "rank 1 has not reached barrier #1" in str(info.value)
+    assert "is in recv" in str(info.value)
+
+
+def test_rank_blocked_elsewhere_is_described(multigroup):
+    multigroup.run(_rank_in_other_call)
+
+
+def _local_rejection_is_reported(b):
+    """A rank whose input was rejected locally never arrives; peers say so."""
+    if b.rank == 0:
+        with pytest.raises(fm.UnsupportedOp):
+            fm.allreduce(np.arange(3), b, fm.ReduceOp.MEAN)
+        time.sleep(0.8)
+        return
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        fm.allreduce(np.arange(3), b, timeout=0.4)
+    assert "rank 0 has not reached allreduce #1" in str(info.value)
+    assert "failed in allreduce" in str(info.value)
+
+
+def test_locally_rejected_call_is_reported(multigroup):
+    multigroup.run(_local_rejection_is_reported)
+
+
+def test_timeout_values():
+    assert timeout_seconds(None) == 60.0 or timeout_seconds(None) > 0
+    assert timeout_seconds(2) == 2.0
+    assert timeout_seconds(np.float32(0.5)) == 0.5
+    assert timeout_seconds(timedelta(milliseconds=250)) == 0.25
+    assert timeout_seconds(float("inf")) == float("inf")
+    for bad in (0, -1, float("nan"), "5", True, timedelta(0)):
+        with pytest.raises(fm.InvalidArgument, match="timeout"):
+            timeout_seconds(bad)
+    assert fm.DEFAULT_COLLECTIVE_TIMEOUT == timedelta(seconds=60)
+
+
+def test_backend_default_timeout_applies():
+    def body(b):
+        assert b.timeout == 0.3
+        if b.rank == 0:
+            start = time.monotonic()
+            with pytest.raises(fm.CollectiveTimeout, match="after 0.3 s"):
+                fm.barrier(b)
+            return time.monotonic() - start
+        time.sleep(0.6)
+        return None
+
+    elapsed = fm.SimulatedBackend.run(2, body, timeout=0.3)[0]
+    assert 0.3 <= elapsed < 2.0
+
+
+def test_simulated_run_stops_peers_when_a_rank_raises():
+    def body(b):
+        if b.rank == 1:
+            raise RuntimeError("boom")
+        fm.barrier(b, timeout=30)  # would wait 30 s without the abort
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom") as info:
+        fm.SimulatedBackend.run(3, body)
+    assert time.monotonic() - start < 5
+    assert "simulated rank 1" in "".join(info.value.__notes__)
