@@ -714,6 +714,4 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error("barrier", exc) from None
-    complete(
-        state, opcode, seq, req, None, timeout=timeout
-    )
+    complete(state, opcode, seq, req, None, timeout=timeout)

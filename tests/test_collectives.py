@@ -144,7 +144,7 @@ def test_allreduce_out_inplace_and_layouts(group):
 def _allreduce_rejects_before_communicating(b):
     with pytest.raises(fm.UnsupportedOp, match="MEAN"):
         fm.allreduce(np.arange(3), b, ReduceOp.MEAN)
-    with pytest.raises(fm.UnsupportedOp, match="MAX.*complex"):
+    with pytest.raises(fm.UnsupportedOp, match=r"MAX.*complex"):
         fm.allreduce(np.ones(2, complex), b, ReduceOp.MAX)
     with pytest.raises(fm.UnsupportedOp, match="BAND"):
         fm.allreduce(np.ones(2), b, ReduceOp.BAND)
