@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The whole ferrompi test suite, from a fresh machine (Debian, Python 3.11, no MPI).
+#
+#   bash scripts/test.sh
+#
+# Creates .venv (if missing) with ferrompi and the MPICH wheel, then runs, in
+# order: ruff; the Sphinx docs build (warnings are errors); plain pytest (the
+# simulated backend); the MPI suites under `mpiexec -n 2`, `-n 3` and `-n 4`
+# with pytest-mpi. Every run has a timeout, so a hung rank fails the run
+# instead of stalling it: pytest-timeout per test (thread method, which can
+# interrupt a blocked MPI call) and MPIEXEC_TIMEOUT per mpiexec run.
+# All stages run; the script exits non-zero if any failed, on any rank.
+#
+# Environment: PYTHON (default python3), VENV (default .venv),
+# MPI_SIZES (default "2 3 4"), PYTEST_ARGS (extra arguments for every pytest).
+set -u
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+MPI_SIZES=${MPI_SIZES:-"2 3 4"}
+PYTEST_ARGS=${PYTEST_ARGS:-}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}      # seconds per test
+MPI_RUN_TIMEOUT=${MPI_RUN_TIMEOUT:-1200} # seconds per mpiexec run
+export FERROMPI_TIMEOUT=${FERROMPI_TIMEOUT:-30}
+export PYTHONUNBUFFERED=1
+
+failed=()
+stage() { # stage NAME COMMAND...
+  local name=$1; shift
+  echo
+  echo "=== $name"
+  local start=$SECONDS
+  if "$@"; then
+    echo "=== $name: ok ($((SECONDS - start)) s)"
+  else
+    echo "=== $name: FAILED (exit $?, $((SECONDS - start)) s)"
+    failed+=("$name")
+  fi
+}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV" || return 1
+  fi
+  "$VENV/bin/python" -m pip install -q --upgrade pip &&
+    "$VENV/bin/python" -m pip install -q -e '.[mpich,test,docs]'
+}
+
+stage "install" setup || true
+if [[ " ${failed[*]:-} " == *" install "* ]]; then
+  echo "installation failed; nothing else can run"
+  exit 1
+fi
+PY="$VENV/bin/python"
+MPIEXEC="$VENV/bin/mpiexec"
+PYTEST=("$PY" -m pytest -q --timeout="$TEST_TIMEOUT" --timeout-method=thread)
+
+stage "ruff" "$VENV/bin/ruff" check .
+stage "ruff format" "$VENV/bin/ruff" format --check .
+stage "docs" "$PY" -m sphinx -q -W --keep-going -b html docs docs/_build/html
+stage "pytest (simulated backend)" "${PYTEST[@]}" $PYTEST_ARGS tests
+for n in $MPI_SIZES; do
+  stage "pytest under mpiexec -n $n" env MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" \
+    "$MPIEXEC" -n "$n" "${PYTEST[@]}" --with-mpi $PYTEST_ARGS tests
+done
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED stages: ${failed[*]}"
+  exit 1
+fi
+echo "all stages passed"
