@@ -36,9 +36,9 @@ def mpi_datatype(dtype: np.dtype) -> object:
         return _DATATYPES[dtype]
     except KeyError:
         pass
+    names = dict.fromkeys(str(d) for d in SUPPORTED_DTYPES)  # int64 is both l and q
     raise InvalidArgument(
-        f"dtype {np.dtype(dtype)} is not supported; supported dtypes are "
-        + ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        f"dtype {np.dtype(dtype)} is not supported; supported dtypes are " + ", ".join(names)
     )
 
 

@@ -20,6 +20,7 @@ carry an event and are waited on with it, so simulated ranks do not spin.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import time
@@ -37,7 +38,9 @@ from .errors import (
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "PendingCollective", "complete", "timeout_seconds"]
 
-#: Default timeout of every collective and point-to-point call (torch's, 60 s).
+#: Default timeout of every collective and point-to-point call: 60 s, the
+#: reference crate's (torch's process groups default to 30 minutes). The
+#: environment variable ``FERROMPI_TIMEOUT`` (seconds) overrides it.
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
@@ -51,7 +54,7 @@ def timeout_seconds(timeout: float | timedelta | None, default: float | None = N
         :class:`datetime.timedelta` (``float('inf')`` is allowed: no timeout).
     """
     if timeout is None:
-        return _DEFAULT_SECONDS if default is None else default
+        return default_seconds() if default is None else default
     if type(timeout) is float and timeout > 0:
         return timeout
     if isinstance(timeout, timedelta):
@@ -67,7 +70,15 @@ def timeout_seconds(timeout: float | timedelta | None, default: float | None = N
     return seconds
 
 
-def _default_seconds() -> float:
+@functools.cache
+def default_seconds() -> float:
+    """The default timeout: ``FERROMPI_TIMEOUT`` (read once) or 60 s.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``FERROMPI_TIMEOUT`` is set but is not a positive number of seconds.
+    """
     text = os.environ.get("FERROMPI_TIMEOUT")
     if not text:
         return DEFAULT_COLLECTIVE_TIMEOUT.total_seconds()
@@ -75,9 +86,6 @@ def _default_seconds() -> float:
         return timeout_seconds(float(text), 0.0)
     except (ValueError, InvalidArgument):
         raise InvalidArgument(f"FERROMPI_TIMEOUT must be positive seconds, got {text!r}") from None
-
-
-_DEFAULT_SECONDS = _default_seconds()
 
 # Buffers of operations that timed out. MPI cannot cancel a collective, so it
 # may still write into them; they are kept alive until the process ends.
@@ -357,10 +365,11 @@ class PendingCollective:
         if self._peer < 0 and not missing:
             details = "every other rank reached it" + (f"; {details}" if details else "")
         state.broken = (
-            f"this backend is unusable: {self.op_name} {where} timed out after {seconds:g} s "
-            "and MPI cannot cancel it; build a new backend, or end the job with fm.abort()"
+            f"this backend is unusable: {self.op_name} {where} timed out after {seconds:g} s; "
+            "MPI cannot cancel it, so later operations on this communicator would be "
+            "mismatched with the other ranks'. End the job with fm.abort()"
         )
-        error = CollectiveTimeout(seconds, f"{self.op_name} {where}", missing, details)
+        error = CollectiveTimeout(seconds, self.op_name, missing, details, where)
         self._error = error
         state.end(_status.TIMED_OUT)
         _ABANDONED.append((self._reqs, self._result, self._keep))

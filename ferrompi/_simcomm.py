@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from ._mpi import MPI
-from .errors import DistributedError
+from .errors import CommunicationError, DistributedError
 
 __all__ = ["EAGER_LIMIT", "SimComm", "SimRequest", "SimUniverse"]
 
@@ -220,8 +220,12 @@ class SimComm:
             elif len(coll.parts) == shared.size:
                 try:
                     values = getattr(self, "_run_" + kind)(coll.parts)
-                except Exception as exc:  # a bad buffer: every rank gets the error
-                    coll.error = exc
+                except MPI.Exception as exc:
+                    coll.error, values = exc, None
+                except Exception as exc:  # buffers that do not fit: every rank gets it
+                    coll.error = CommunicationError(
+                        f"simulated {kind}", f"the ranks' buffers do not fit together: {exc}"
+                    )
                     values = None
                 for r, other in coll.reqs.items():
                     other.error = coll.error
@@ -234,11 +238,19 @@ class SimComm:
 
     @staticmethod
     def _sources(parts: dict) -> list[np.ndarray]:
-        # IN_PLACE contributions read the receive buffer; copy before any write.
-        return [
+        """Every rank's contribution, in rank order, copied before any write.
+
+        IN_PLACE contributions read the receive buffer. Ranks must agree on the
+        dtype (MPI would silently reinterpret the bytes; the simulator refuses).
+        """
+        sources = [
             (send if send is not None else recv).copy()
             for _, (send, recv, *_rest) in sorted(parts.items())
         ]
+        for rank, src in enumerate(sources):
+            if src.dtype != sources[0].dtype:
+                raise ValueError(f"rank 0 passed {sources[0].dtype}, rank {rank} {src.dtype}")
+        return sources
 
     @staticmethod
     def _reduce(arrays: list[np.ndarray], op) -> np.ndarray:

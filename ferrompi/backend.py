@@ -118,7 +118,7 @@ class Backend:
                 _STATES[identity] = state
         self._state = state
         self._participant = participant
-        self._timeout = seconds if timeout is not None else state.timeout
+        self._timeout = seconds
 
     @property
     def rank(self) -> int:
@@ -360,7 +360,9 @@ def abort(errorcode: int = 1, backend: Backend | None = None) -> None:
     Use it after a :class:`~ferrompi.CollectiveTimeout` when the job cannot
     continue: MPI cannot cancel a collective, so only ending the job frees
     the ranks still blocked in it. On a simulated backend it fails every
-    pending operation of the group instead.
+    pending and future operation of the group instead, and raises
+    :class:`~ferrompi.DistributedError` in the calling thread (a thread cannot
+    end the process the way ``MPI_Abort`` does).
     """
     if backend is not None and isinstance(backend.comm, SimComm):
         backend.comm.Abort(errorcode)

@@ -87,9 +87,15 @@ def _conclude(blocking, state, opcode, seq, req, result, buf, divisor, inputs, t
     return PendingCollective(state, opcode, seq, (req,), result, finish, timeout, keep=keep)
 
 
-def _separate(x: np.ndarray, buf: np.ndarray, out) -> np.ndarray:
-    """``x``, copied if a caller's ``out`` overlaps it without being it."""
-    if out is not None and buf is not x and np.may_share_memory(x, buf):
+def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np.ndarray:
+    """``x``, copied if the caller's ``out`` overlaps it (MPI forbids aliased buffers).
+
+    With ``in_place`` (allreduce, broadcast), ``out`` being ``x`` itself is
+    kept: those calls then run in place.
+    """
+    if out is None or (in_place and buf is x):
+        return x
+    if np.may_share_memory(x, buf):
         return x.copy()
     return x
 
@@ -107,10 +113,10 @@ def _allreduce(
         timeout = timeout_seconds(timeout, backend._timeout)
         x = as_input(x, _status.OPS[opcode])
         dtype = x.dtype
+        dt = datatype_of(x, _status.OPS[opcode])
         mop, mean = mpi_op(op, dtype)
-        dt = datatype_of(x, "allreduce")
         result, buf = output(out, x.shape, dtype, _status.OPS[opcode])
-        x = _separate(x, buf, out)
+        x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -223,7 +229,7 @@ def _broadcast(
         x = as_input(x, name)
         dt = datatype_of(x, name)
         result, buf = output(out, x.shape, x.dtype, name)
-        x = _separate(x, buf, out)
+        x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -382,8 +388,8 @@ def _reduce_scatter(
     try:
         timeout = timeout_seconds(timeout, backend._timeout)
         x = as_input(x, name)
-        mop, mean = mpi_op(op, x.dtype)
         dt = datatype_of(x, name)
+        mop, mean = mpi_op(op, x.dtype)
         rows = _rows_divisible(x, state.size, name)
         result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name)
         x = _separate(x, buf, out)
@@ -707,7 +713,11 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
     """
     state = backend._state
     opcode = _OP["barrier"]
-    timeout = timeout_seconds(timeout, backend._timeout)
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
     seq = state.begin(opcode)
     try:
         req = state.comm.Ibarrier()

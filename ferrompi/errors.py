@@ -111,12 +111,13 @@ class SizeMismatch(InvalidArgument):
     only reported that the message was larger than the buffer).
     """
 
-    def __init__(self, expected: int, got: int | None, what: str = "recv") -> None:
+    def __init__(self, expected: int, got: int | None, op: str = "recv") -> None:
         self.expected = expected
         self.got = got
+        self.op = op
         got_text = "more" if got is None else str(got)
         super().__init__(
-            f"{what}: the receive buffer holds {expected} elements but the message "
+            f"{op}: the receive buffer holds {expected} elements but the message "
             f"carries {got_text}"
         )
 
@@ -134,16 +135,26 @@ class CollectiveTimeout(DistributedError, TimeoutError):
         Ranks (of the group) that had not reached the operation.
     details : str
         What each of the other ranks was doing when the timeout expired.
+    context : str
+        Where: e.g. ``"(collective #3 of a group of 4)"`` or ``"with rank 0"``.
     """
 
     def __init__(
-        self, seconds: float, op: str, missing: tuple[int, ...] = (), details: str = ""
+        self,
+        seconds: float,
+        op: str,
+        missing: tuple[int, ...] = (),
+        details: str = "",
+        context: str = "",
     ) -> None:
         self.seconds = seconds
         self.op = op
         self.missing = tuple(missing)
         self.details = details
-        text = f"{op} timed out after {seconds:g} s"
+        self.context = context
+        text = f"{op} {context} timed out after {seconds:g} s" if context else (
+            f"{op} timed out after {seconds:g} s"
+        )
         if details:
             text += f"; {details}"
         super().__init__(text)

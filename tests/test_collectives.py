@@ -403,3 +403,43 @@ def _aliases(b):
 
 def test_with_timeout_aliases_and_barrier(group):
     group.run(_aliases)
+
+
+def _out_aliasing_input(b):
+    size, rank = b.world_size, b.rank
+    inputs = [rank_data(r, (2 * size, 2), seed=13) for r in range(size)]
+    x = inputs[rank].copy()
+    assert fm.all_to_all(x, b, out=x) is x  # MPI forbids aliased buffers: copied first
+    np.testing.assert_array_equal(
+        x, np.concatenate([inputs[s][2 * rank : 2 * rank + 2] for s in range(size)])
+    )
+    if size == 1:  # same shape in and out only at one rank
+        y = inputs[0].copy()
+        fm.all_gather(y, b, out=y)
+        np.testing.assert_array_equal(y, inputs[0])
+        z = inputs[0].copy()
+        fm.reduce_scatter(z, b, out=z)
+        np.testing.assert_array_equal(z, inputs[0])
+    big = np.arange(4.0 * size)
+    part = fm.reduce_scatter(big, b, out=big[:4])  # out is a view of the input
+    np.testing.assert_array_equal(part, size * np.arange(4.0 * size)[4 * rank : 4 * rank + 4])
+
+
+def test_out_aliasing_the_input(group):
+    group.run(_out_aliasing_input)
+
+
+def test_simulated_ranks_disagreeing_on_buffers_get_a_ferrompi_error():
+    for fn, text in [
+        (lambda b: fm.allreduce(np.ones(3 if b.rank else 2), b), "do not fit"),
+        (lambda b: fm.allreduce(np.ones(2, np.float32 if b.rank else np.float64), b), "float32"),
+    ]:
+        with pytest.raises(fm.CommunicationError, match=text):
+            fm.SimulatedBackend.run(2, fn)
+
+
+def test_unsupported_dtype_error_names_the_operation():
+    (b,) = fm.SimulatedBackend.create_group(1)
+    with pytest.raises(fm.InvalidArgument, match=r"^allreduce: dtype <U1") as info:
+        fm.allreduce(np.array(["a"]), b)
+    assert str(info.value).split(", ").count("int64") == 1

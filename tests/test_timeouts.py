@@ -122,3 +122,46 @@ def test_simulated_run_stops_peers_when_a_rank_raises():
         fm.SimulatedBackend.run(3, body)
     assert time.monotonic() - start < 5
     assert "simulated rank 1" in "".join(info.value.__notes__)
+
+
+def test_timeout_attributes():
+    def body(b):
+        if b.rank == 1:
+            time.sleep(0.5)
+            return None
+        with pytest.raises(fm.CollectiveTimeout) as info:
+            fm.allreduce(np.ones(1), b, timeout=0.2)
+        return info.value
+
+    err = fm.SimulatedBackend.run(2, body)[0]
+    assert err.op == "allreduce"
+    assert err.context == "(collective #1 of a group of 2)"
+    assert err.missing == (1,)
+    assert str(err).startswith("allreduce (collective #1 of a group of 2) timed out after 0.2 s")
+
+
+def test_backend_timeouts_do_not_leak_between_wrappers():
+    from mpi4py import MPI
+
+    short = fm.MPIBackend(MPI.COMM_SELF, timeout=0.1)
+    other = fm.MPIBackend(MPI.COMM_SELF)
+    assert short.timeout == 0.1
+    assert other.timeout == timeout_seconds(None)
+
+
+def test_invalid_environment_timeout_fails_at_first_use_not_import():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, ferrompi as fm\n"
+        "try:\n    (b,) = fm.SimulatedBackend.create_group(1)\n    fm.allreduce(np.ones(1), b)\n"
+        "except fm.InvalidArgument as e:\n    print('raised:', e)\n"
+    )
+    env = {**os.environ, "FERROMPI_TIMEOUT": "soon"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "raised: FERROMPI_TIMEOUT must be positive seconds, got 'soon'" in out.stdout
