@@ -87,6 +87,7 @@ def default_seconds() -> float:
     except (ValueError, InvalidArgument):
         raise InvalidArgument(f"FERROMPI_TIMEOUT must be positive seconds, got {text!r}") from None
 
+
 # Buffers of operations that timed out. MPI cannot cancel a collective, so it
 # may still write into them; they are kept alive until the process ends.
 _ABANDONED: list[object] = []

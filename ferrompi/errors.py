@@ -117,8 +117,7 @@ class SizeMismatch(InvalidArgument):
         self.op = op
         got_text = "more" if got is None else str(got)
         super().__init__(
-            f"{op}: the receive buffer holds {expected} elements but the message "
-            f"carries {got_text}"
+            f"{op}: the receive buffer holds {expected} elements but the message carries {got_text}"
         )
 
 
@@ -152,9 +151,8 @@ class CollectiveTimeout(DistributedError, TimeoutError):
         self.missing = tuple(missing)
         self.details = details
         self.context = context
-        text = f"{op} {context} timed out after {seconds:g} s" if context else (
-            f"{op} timed out after {seconds:g} s"
-        )
+        where = f"{op} {context}" if context else op
+        text = f"{where} timed out after {seconds:g} s"
         if details:
             text += f"; {details}"
         super().__init__(text)
