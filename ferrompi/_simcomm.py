@@ -34,7 +34,7 @@ import numpy as np
 from ._mpi import MPI
 from .errors import CommunicationError, DistributedError
 
-__all__ = ["EAGER_LIMIT", "SimComm", "SimRequest", "SimUniverse"]
+__all__ = ["EAGER_LIMIT", "SimComm", "SimGroup", "SimRequest", "SimUniverse"]
 
 #: Largest message (bytes) whose send completes before it is matched.
 EAGER_LIMIT = 65536
@@ -343,6 +343,31 @@ class SimComm:
                 result[r] = SimComm(shared, new_rank)
         return result
 
+    def Get_group(self) -> SimGroup:  # noqa: N802
+        return SimGroup(tuple(range(self.size)))
+
+    def Create_group(self, group: SimGroup, tag: int = 0):  # noqa: N802
+        """Collective over the members of ``group`` only (``MPI_Comm_create_group``)."""
+        members = group.ranks
+        if self.rank not in members:
+            raise MPI.Exception(MPI.ERR_GROUP)
+        shared = self._shared
+        req = SimRequest(self._universe)
+        with self._universe.cond:
+            key = (members, tag)
+            coll = shared.group_creations.setdefault(key, _Collective("create_group"))
+            coll.parts[self.rank] = ()
+            coll.reqs[self.rank] = req
+            if len(coll.parts) == len(members):
+                del shared.group_creations[key]
+                new = _Shared(self._universe, tuple(self.world_ranks[r] for r in members))
+                for r, other in coll.reqs.items():
+                    other.value = SimComm(new, members.index(r))
+                    other.done = True
+            self._universe.cond.notify_all()
+        req.Wait()
+        return req.value
+
     def _run_dup(self, parts):
         shared = _Shared(self._universe, self.world_ranks)
         return {r: SimComm(shared, r) for r in parts}
@@ -481,6 +506,23 @@ class SimComm:
                 if remaining <= 0:
                     return False
                 universe.cond.wait(min(remaining, 3600.0))
+
+
+class SimGroup:
+    """The ranks of a simulated communicator, as an ``MPI.Group`` (``Incl``, ``Free``)."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def Incl(self, ranks) -> SimGroup:  # noqa: N802
+        return SimGroup(tuple(self.ranks[r] for r in ranks))
+
+    def Free(self) -> None:  # noqa: N802
+        pass
 
 
 class SimMessage:

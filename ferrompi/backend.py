@@ -179,11 +179,7 @@ class Backend:
         new = self.comm.Split(int(color), int(key))
         if new is None or (not isinstance(new, SimComm) and new == MPI.COMM_NULL):
             return None
-        return type(self)._derived(new, self)
-
-    @classmethod
-    def _derived(cls, comm, parent: Backend) -> Backend:
-        return cls(comm, timeout=parent._timeout, _participant=parent._participant)
+        return wrap_comm(new, self)
 
     def gather_arrival(self, op: str, timeout: float | timedelta | None = None) -> None:
         """Wait, under the timeout, until every rank of the group reaches ``op``.
@@ -197,6 +193,16 @@ class Backend:
         seq = state.begin(opcode)
         req = state.comm.Ibarrier()
         PendingCollective(state, opcode, seq, (req,), None, None, timeout or self._timeout).wait()
+
+
+def wrap_comm(comm, parent: Backend, timeout: float | None = None) -> Backend:
+    """A backend over ``comm`` derived from ``parent``: same kind, participant and timeout."""
+    kind = SimulatedBackend if isinstance(comm, SimComm) else MPIBackend
+    return kind(
+        comm,
+        timeout=parent._timeout if timeout is None else timeout,
+        _participant=parent._participant,
+    )
 
 
 class MPIBackend(Backend):

@@ -1,0 +1,274 @@
+"""Sub-groups of a backend: :func:`new_group` and :class:`SubBackend`.
+
+Three ways to get a group over some ranks of a backend ``b``:
+
+* ``b.split(color, key)`` — ``Comm.Split``, collective over ``b``;
+* ``fm.new_group(b, ranks)`` — like ``torch.distributed.new_group``:
+  collective over ``b``, returns a :class:`SubBackend` on members and ``None``
+  elsewhere;
+* ``fm.SubBackend(b, members)`` — built by the members alone (as the
+  reference crate does). Its communicator is created lazily, among the
+  members only (``Comm.Create_group``), at its first operation.
+
+Ranks in ``members`` are ranks of the parent backend; the sub-group's rank
+``i`` is ``members[i]`` (``to_global``/``to_local`` map between them).
+
+Examples
+--------
+>>> import numpy as np, ferrompi as fm
+>>> def f(b):
+...     if b.rank == 0:
+...         return None
+...     sub = fm.SubBackend(b, [1, 2, 3])              # ranks 1-3 only
+...     return sub.rank, fm.allreduce(np.array([b.rank]), sub)
+>>> fm.SimulatedBackend.run(4, f)
+[None, (0, array([6])), (1, array([6])), (2, array([6]))]
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from datetime import timedelta
+
+import numpy as np
+
+from . import _status
+from ._arrays import check_rank
+from ._mpi import MPI
+from ._progress import PendingCollective, timeout_seconds
+from .backend import Backend, wrap_comm
+from .errors import CollectiveTimeout, InvalidArgument
+
+__all__ = ["SubBackend", "new_group"]
+
+Timeout = float | timedelta | None
+
+#: Tags at the top of the tag space that ferrompi reserves on a parent
+#: communicator for the members' check-in before ``Comm.Create_group``.
+RESERVED_TAGS = 16
+
+
+def _members(parent: Backend, members: Sequence[int]) -> tuple[int, ...]:
+    try:
+        values = list(members)
+    except TypeError:
+        raise InvalidArgument(f"members must be a sequence of ranks, got {members!r}") from None
+    if not values:
+        raise InvalidArgument("members is empty: a group needs at least one rank")
+    checked = tuple(check_rank(m, parent.world_size, "member", "SubBackend") for m in values)
+    if len(set(checked)) != len(checked):
+        dupes = sorted({m for m in checked if checked.count(m) > 1})
+        raise InvalidArgument(f"members {list(checked)} repeat rank(s) {dupes}")
+    return checked
+
+
+class SubBackend(Backend):
+    """A group over some ranks (``members``) of a parent backend.
+
+    Parameters
+    ----------
+    parent : Backend
+        The parent group; this rank must be one of ``members``.
+    members : sequence of int
+        Parent ranks in the new group, in sub-group rank order.
+    timeout : float or datetime.timedelta, optional
+        Default timeout of the sub-group's operations (default: the parent's).
+        It also bounds the members' check-in when the communicator is created.
+
+    Raises
+    ------
+    InvalidRank
+        A member outside ``[0, parent.world_size)``.
+    InvalidArgument
+        Empty or repeated members, or this rank is not a member.
+
+    Notes
+    -----
+    Only the members construct it; the others need not take part. The
+    communicator is created at the first operation, among the members only:
+    the members first check in with ``members[0]`` on the parent
+    communicator (point-to-point, on one of the top ``RESERVED_TAGS`` tags,
+    under the timeout), then call ``Comm.Create_group``. Every member must use
+    the sub-group (for at least one operation) for that to complete.
+    """
+
+    def __init__(
+        self,
+        parent: Backend,
+        members: Sequence[int],
+        *,
+        timeout: float | timedelta | None = None,
+        _comm=None,
+    ) -> None:
+        if not isinstance(parent, Backend):
+            raise InvalidArgument(f"parent must be a ferrompi backend, not {parent!r}")
+        self._members = _members(parent, members)
+        if parent.rank not in self._members:
+            raise InvalidArgument(
+                f"SubBackend: the caller's rank {parent.rank} is not in members "
+                f"{list(self._members)}; only members build a SubBackend "
+                "(use fm.new_group for a call on every rank)"
+            )
+        self._parent = parent
+        self._participant = parent._participant
+        self._timeout = timeout_seconds(timeout, parent._timeout)
+        self._local_rank = self._members.index(parent.rank)
+        self._inner: Backend | None = None if _comm is None else self._wrap(_comm)
+
+    def _wrap(self, comm) -> Backend:
+        return wrap_comm(comm, self, self._timeout)
+
+    @property
+    def _state(self):
+        inner = self._inner
+        if inner is None:
+            inner = self._inner = self._wrap(self._create_comm())
+        return inner._state
+
+    @property
+    def rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._members)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Parent ranks of the members, in sub-group rank order."""
+        return self._members
+
+    @property
+    def parent(self) -> Backend:
+        return self._parent
+
+    def to_global(self, local: int) -> int:
+        """The parent rank of sub-group rank ``local``.
+
+        Raises
+        ------
+        InvalidRank
+            If ``local`` is not in ``[0, world_size)``.
+        """
+        return self._members[check_rank(local, len(self._members), "local rank", "to_global")]
+
+    def to_local(self, global_rank: int) -> int | None:
+        """The sub-group rank of parent rank ``global_rank``; ``None`` for a non-member."""
+        try:
+            return self._members.index(global_rank)
+        except ValueError:
+            return None
+
+    def __repr__(self) -> str:
+        return f"<SubBackend rank {self.rank} of {self.world_size} (members {list(self._members)})>"
+
+    def _create_comm(self):
+        parent = self._parent
+        members = self._members
+        tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - (
+            zlib.crc32(repr(members).encode()) % RESERVED_TAGS
+        )
+        self._check_in(tag)
+        group = parent.comm.Get_group()
+        sub = group.Incl(list(members))
+        try:
+            return parent.comm.Create_group(sub, tag)
+        finally:
+            sub.Free()
+            group.Free()
+
+    def _check_in(self, tag: int) -> None:
+        """Members report to ``members[0]``, which releases them once all are there."""
+        parent, members = self._parent, self._members
+        state = parent._state
+        leader = members[0]
+        token = np.zeros(1, np.int64)
+        opcode = _status.OPCODE["create_group"]
+        deadline = time.monotonic() + self._timeout
+        peer = members[1] if parent.rank == leader and len(members) > 1 else leader
+        state.begin(opcode, state.world_ranks[peer])  # point-to-point: no collective number
+        if parent.rank == leader:
+            buffers = {m: np.zeros(1, np.int64) for m in members[1:]}
+            reqs = {
+                m: state.comm.Irecv([buf, 1, MPI.INT64_T], m, tag) for m, buf in buffers.items()
+            }
+            pending = PendingCollective(state, opcode, 0, tuple(reqs.values()), None)
+            remaining = max(deadline - time.monotonic(), 1e-3)
+            try:
+                pending.wait(remaining)
+            except CollectiveTimeout:
+                missing = tuple(i for i, m in enumerate(members[1:], start=1) if not reqs[m].Test())
+                raise CollectiveTimeout(
+                    self._timeout,
+                    "create_group",
+                    missing,
+                    "members "
+                    + ", ".join(f"{i} (parent rank {members[i]})" for i in missing)
+                    + " did not use the SubBackend",
+                    f"(SubBackend over parent ranks {list(members)})",
+                ) from None
+            for m in members[1:]:
+                state.comm.Isend([token, 1, MPI.INT64_T], m, tag).Wait()
+        else:
+            send = state.comm.Isend([token, 1, MPI.INT64_T], leader, tag)
+            release = state.comm.Irecv([np.zeros(1, np.int64), 1, MPI.INT64_T], leader, tag)
+            try:
+                PendingCollective(state, opcode, 0, (send, release), None).wait(self._timeout)
+            except CollectiveTimeout:
+                raise CollectiveTimeout(
+                    self._timeout,
+                    "create_group",
+                    (0,),
+                    f"member 0 (parent rank {leader}) did not release the check-in: it, or "
+                    "another member, did not use the SubBackend",
+                    f"(SubBackend over parent ranks {list(members)})",
+                ) from None
+
+
+def new_group(
+    backend: Backend, ranks: Sequence[int], *, timeout: Timeout = None
+) -> SubBackend | None:
+    """A sub-group over ``ranks``; collective over ``backend`` (``torch.distributed.new_group``).
+
+    Parameters
+    ----------
+    backend : Backend
+        The parent; every one of its ranks must call ``new_group`` with the same ``ranks``.
+    ranks : sequence of int
+        Parent ranks of the new group. As in torch, the group ranks follow
+        the sorted order of ``ranks``.
+    timeout : float or datetime.timedelta, optional
+        Bounds the wait for every parent rank to arrive; default of the group.
+
+    Returns
+    -------
+    SubBackend or None
+        The group on its members, ``None`` on the other ranks.
+
+    Raises
+    ------
+    InvalidRank, InvalidArgument
+        For ranks outside the parent, repeated or no ranks (before communicating).
+    CollectiveTimeout
+        If a parent rank does not call ``new_group`` in time.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     evens = fm.new_group(b, [0, 2])
+    ...     return None if evens is None else fm.allreduce(np.array([b.rank]), evens)
+    >>> fm.SimulatedBackend.run(3, f)
+    [array([2]), None, array([2])]
+    """
+    members = tuple(sorted(_members(backend, ranks)))
+    backend.gather_arrival("new_group", timeout)
+    member = backend.rank in members
+    comm = backend.comm.Split(
+        0 if member else MPI.UNDEFINED, members.index(backend.rank) if member else 0
+    )
+    if not member:
+        return None
+    return SubBackend(backend, members, timeout=timeout, _comm=comm)
