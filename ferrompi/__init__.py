@@ -33,9 +33,11 @@ from .backend import (
 )
 from .collectives import (
     all_gather,
+    all_gather_v,
     all_gather_with_timeout,
     all_to_all,
     all_to_all_single_uneven,
+    all_to_all_v,
     all_to_all_with_timeout,
     allreduce,
     allreduce_with_timeout,
@@ -48,8 +50,10 @@ from .collectives import (
     broadcast,
     reduce_scatter,
     reduce_scatter_tensor,
+    reduce_scatter_v,
     reduce_scatter_with_timeout,
 )
+from .dtensor import DTensor, Partial, Placement, Replicate, Shard, chunk_range, distribute_tensor
 from .errors import (
     AsyncCheckpointFailed,
     BackendUnavailable,
@@ -76,6 +80,8 @@ from .errors import (
     SizeMismatch,
     UnsupportedOp,
 )
+from .groups import SubBackend, new_group
+from .mesh import DeviceMesh, init_device_mesh
 from .ops import ReduceOp
 from .p2p import (
     irecv,
@@ -124,6 +130,21 @@ __all__ = [
     "all_gather_with_timeout",
     "reduce_scatter_with_timeout",
     "all_to_all_with_timeout",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "all_to_all_v",
+    # groups, meshes, DTensor
+    "SubBackend",
+    "new_group",
+    "DeviceMesh",
+    "init_device_mesh",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "Partial",
+    "DTensor",
+    "distribute_tensor",
+    "chunk_range",
     # point-to-point
     "send",
     "recv",

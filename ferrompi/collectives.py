@@ -60,6 +60,9 @@ __all__ = [
     "all_gather_with_timeout",
     "reduce_scatter_with_timeout",
     "all_to_all_with_timeout",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "all_to_all_v",
 ]
 
 Timeout = float | timedelta | None
@@ -725,3 +728,156 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
         state.end(_status.FAILED)
         raise mpi_error("barrier", exc) from None
     complete(state, opcode, seq, req, None, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# variable-size forms, for callers that know every rank's counts (DTensor)
+# ---------------------------------------------------------------------------
+
+
+def _row_counts(counts, size: int, name: str) -> np.ndarray:
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.shape != (size,) or (counts < 0).any():
+        raise InvalidArgument(f"{name}: counts {counts.tolist()} must be {size} row counts >= 0")
+    return counts
+
+
+def all_gather_v(x, counts: Sequence[int], backend: Backend, *, timeout: Timeout = None):
+    """Concatenate along axis 0 rows of different counts (``Iallgatherv``).
+
+    ``counts[r]`` is the number of rows rank ``r`` contributes; every rank
+    passes the same ``counts``, and ``x.shape[0] == counts[rank]``.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> from ferrompi.collectives import all_gather_v
+    >>> def f(b):
+    ...     return all_gather_v(np.full(b.rank + 1, b.rank), [1, 2], b)
+    >>> fm.SimulatedBackend.run(2, f)[0]
+    array([0, 1, 1])
+    """
+    state = backend._state
+    opcode = _OP["all_gather_v"]
+    name = "all_gather_v"
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        counts = _row_counts(counts, state.size, name)
+        if x.ndim == 0 or x.shape[0] != counts[state.rank]:
+            raise InvalidArgument(
+                f"{name}: this rank has {x.shape[0] if x.ndim else 0} rows, counts say "
+                f"{int(counts[state.rank])}"
+            )
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        result = np.empty((int(counts.sum()), *x.shape[1:]), x.dtype)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    rcounts = counts * row
+    displs = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Iallgatherv([x, x.size, dt], [result, (rcounts, displs), dt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    keep = (x, rcounts, displs)
+    return complete(state, opcode, seq, req, result, None, keep, timeout)
+
+
+def reduce_scatter_v(
+    x,
+    counts: Sequence[int],
+    backend: Backend,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    timeout: Timeout = None,
+):
+    """Reduce across ranks, then rank ``r`` keeps the next ``counts[r]`` rows (``Ireduce_scatter``).
+
+    Every rank passes the same ``counts`` (summing to ``x.shape[0]``).
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> from ferrompi.collectives import reduce_scatter_v
+    >>> fm.SimulatedBackend.run(2, lambda b: reduce_scatter_v(np.arange(3), [2, 1], b))
+    [array([0, 2]), array([4])]
+    """
+    state = backend._state
+    opcode = _OP["reduce_scatter_v"]
+    name = "reduce_scatter_v"
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        mop, mean = mpi_op(op, x.dtype)
+        counts = _row_counts(counts, state.size, name)
+        if x.ndim == 0 or x.shape[0] != int(counts.sum()):
+            raise InvalidArgument(
+                f"{name}: counts {counts.tolist()} sum to {int(counts.sum())} rows but the input "
+                f"has {x.shape[0] if x.ndim else 0}"
+            )
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        result = np.empty((int(counts[state.rank]), *x.shape[1:]), x.dtype)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    rcounts = counts * row
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Ireduce_scatter([x, x.size, dt], [result, result.size, dt], rcounts, mop)
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    finish = _finish_output if mean else None
+    keep = (result, state.size, (x, rcounts)) if mean else (x, rcounts)
+    return complete(state, opcode, seq, req, result, finish, keep, timeout)
+
+
+def all_to_all_v(
+    x,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    backend: Backend,
+    *,
+    timeout: Timeout = None,
+):
+    """All-to-all of rows with counts the caller already knows agree (``Ialltoallv``).
+
+    Unlike :func:`all_to_all_single_uneven` there is no table exchange: use it
+    only when every rank computes the same split table (DTensor does, from
+    the global shape).
+    """
+    state = backend._state
+    opcode = _OP["all_to_all_v"]
+    name = "all_to_all_v"
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        dt = datatype_of(x, name)
+        send = _row_counts(send_counts, state.size, name)
+        recv = _row_counts(recv_counts, state.size, name)
+        if x.ndim == 0 or x.shape[0] != int(send.sum()):
+            raise InvalidArgument(
+                f"{name}: send_counts sum to {int(send.sum())} rows but the input has "
+                f"{x.shape[0] if x.ndim else 0}"
+            )
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        result = np.empty((int(recv.sum()), *x.shape[1:]), x.dtype)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    scounts, rcounts = send * row, recv * row
+    sdispls = np.concatenate(([0], np.cumsum(scounts)[:-1]))
+    rdispls = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
+    seq = state.begin(opcode)
+    try:
+        req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [result, (rcounts, rdispls), dt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    keep = (x, scounts, sdispls, rcounts, rdispls)
+    return complete(state, opcode, seq, req, result, None, keep, timeout)
