@@ -33,3 +33,10 @@ def test_quickstart(n):
     assert f"ferrompi quickstart on {n} ranks" in out
     assert out.count("allreduce   -> ") == n
     assert "all results match numpy" in out
+
+
+def test_dtensor_2d():
+    out = run_example("dtensor_2d.py", 4)
+    for rank in range(4):
+        assert f"rank {rank} (dp={rank // 2}, tp={rank % 2})" in out
+    assert "matches numpy: shape (6, 3)" in out
