@@ -197,7 +197,8 @@ class Backend:
 
 def wrap_comm(comm, parent: Backend, timeout: float | None = None) -> Backend:
     """A backend over ``comm`` derived from ``parent``: same kind, participant and timeout."""
-    kind = SimulatedBackend if isinstance(comm, SimComm) else MPIBackend
+    simulated = isinstance(comm, SimComm) or isinstance(parent, SimulatedBackend)
+    kind = SimulatedBackend if simulated else MPIBackend
     return kind(
         comm,
         timeout=parent._timeout if timeout is None else timeout,

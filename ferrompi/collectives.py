@@ -61,6 +61,7 @@ __all__ = [
     "reduce_scatter_with_timeout",
     "all_to_all_with_timeout",
     "all_gather_v",
+    "async_all_gather_v",
     "reduce_scatter_v",
     "all_to_all_v",
 ]
@@ -757,6 +758,17 @@ def all_gather_v(x, counts: Sequence[int], backend: Backend, *, timeout: Timeout
     >>> fm.SimulatedBackend.run(2, f)[0]
     array([0, 1, 1])
     """
+    return _all_gather_v(x, counts, backend, timeout, True)
+
+
+def async_all_gather_v(
+    x, counts: Sequence[int], backend: Backend, *, timeout: Timeout = None
+) -> PendingCollective:
+    """Start :func:`all_gather_v`; ``.wait()`` returns the array (FSDP's prefetch)."""
+    return _all_gather_v(x, counts, backend, timeout, False)
+
+
+def _all_gather_v(x, counts, backend: Backend, timeout, blocking: bool):
     state = backend._state
     opcode = _OP["all_gather_v"]
     name = "all_gather_v"
@@ -784,7 +796,9 @@ def all_gather_v(x, counts: Sequence[int], backend: Backend, *, timeout: Timeout
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, rcounts, displs)
-    return complete(state, opcode, seq, req, result, None, keep, timeout)
+    if blocking:
+        return complete(state, opcode, seq, req, result, None, keep, timeout)
+    return PendingCollective(state, opcode, seq, (req,), result, None, timeout, keep=keep)
 
 
 def reduce_scatter_v(
