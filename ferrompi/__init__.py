@@ -17,6 +17,8 @@ array([4., 4.])
 
 from __future__ import annotations
 
+from . import models as models
+from . import parallel as parallel
 from ._progress import DEFAULT_COLLECTIVE_TIMEOUT, PendingCollective
 from .backend import (
     Backend,
