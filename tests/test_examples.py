@@ -40,3 +40,32 @@ def test_dtensor_2d():
     for rank in range(4):
         assert f"rank {rank} (dp={rank // 2}, tp={rank % 2})" in out
     assert "matches numpy: shape (6, 3)" in out
+
+
+def _final_accuracy(out: str) -> float:
+    line = next(ln for ln in out.splitlines() if ln.startswith("final test accuracy"))
+    return float(line.split()[3])
+
+
+@pytest.mark.parametrize("script", ["train_mlp_ddp.py", "train_mlp_fsdp.py", "pipeline.py"])
+def test_training_examples_learn_the_task(script):
+    out = run_example(script, 4, timeout=300)
+    epochs = [ln for ln in out.splitlines() if ln.startswith("epoch ")]
+    assert len(epochs) == 8, out
+    first_loss = float(epochs[0].split()[3])
+    last_loss = float(epochs[-1].split()[3])
+    assert last_loss < first_loss / 5, out
+    assert _final_accuracy(out) >= 0.95, out
+
+
+def test_fsdp_example_holds_a_quarter_of_the_state():
+    out = run_example("train_mlp_fsdp.py", 4, timeout=300)
+    fractions = [float(ln.split(", ")[1].split()[0]) for ln in out.splitlines() if "of the" in ln]
+    assert len(fractions) == 4
+    assert all(abs(f - 0.25) < 0.01 for f in fractions), out
+
+
+def test_pipeline_example_on_three_stages():
+    out = run_example("pipeline.py", 3, timeout=300)
+    assert "3 stages, 8 micro-batches, 1f1b, bubble 20%" in out
+    assert "activations in flight per stage [3, 2, 1]" in out
