@@ -1,0 +1,498 @@
+"""The on-disk format (version 1): names, ``metadata.json`` and its validation.
+
+See ``docs/checkpoint-format.md`` for the specification. This module reads
+and checks the metadata; it does not touch the HDF5 files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtensor import Partial, Placement, Replicate, Shard, _ranges, chunk_range
+from ..errors import (
+    CheckpointInvalidArgument,
+    CheckpointIOError,
+    CheckpointMetadataError,
+    CheckpointSerializationError,
+    CheckpointTensorError,
+    MissingShard,
+)
+from ..ops import ReduceOp
+from ._io import outside_crc32
+from ._tree import _SUPPORTED
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "METADATA",
+    "COMMIT",
+    "GLOBAL",
+    "BLOCK_BYTES",
+    "shard_file",
+    "block_rows_for",
+    "encode_placement",
+    "decode_placement",
+    "TensorMeta",
+    "ShardMeta",
+    "FileMeta",
+    "Checkpoint",
+    "open_checkpoint",
+    "commit_marker",
+]
+
+FORMAT = "ferrompi-checkpoint"
+VERSION = 1
+METADATA = "metadata.json"
+COMMIT = "COMMIT"
+GLOBAL = "global.h5"
+#: Target size of a checksum block: a shard's rows are checksummed in runs of
+#: ``block_rows`` rows, about this many bytes (at least one row).
+BLOCK_BYTES = 1 << 20
+LAYOUTS = ("per-rank", "single")
+
+
+def shard_file(rank: int) -> str:
+    """The file name of rank ``rank``'s shard: ``shard-RRRRR.h5``."""
+    return f"shard-{rank:05d}.h5"
+
+
+def row_bytes(sizes, itemsize: int) -> int:
+    """Bytes of one row (index along dim 0) of a box of ``sizes`` (0-d: one element)."""
+    return math.prod(sizes[1:]) * itemsize if sizes else itemsize
+
+
+def block_rows_for(sizes, itemsize: int) -> int:
+    """Rows per checksum block of a shard of ``sizes``."""
+    return max(1, BLOCK_BYTES // max(1, row_bytes(sizes, itemsize)))
+
+
+def encode_placement(p: Placement) -> object:
+    """JSON form of a placement: ``"replicate"``, ``{"shard": d}``, ``{"partial": "SUM"}``."""
+    if isinstance(p, Shard):
+        return {"shard": int(p.dim)}
+    if isinstance(p, Partial):
+        return {"partial": p.op.name}
+    return "replicate"
+
+
+def decode_placement(value: object, where: str) -> Placement:
+    if value == "replicate":
+        return Replicate()
+    if isinstance(value, dict) and len(value) == 1:
+        if isinstance(value.get("shard"), int) and value["shard"] >= 0:
+            return Shard(value["shard"])
+        op = value.get("partial")
+        if isinstance(op, str) and op in ReduceOp.__members__:
+            return Partial(ReduceOp[op])
+    raise CheckpointMetadataError(f"metadata.json: {where}: {value!r} is not a placement")
+
+
+def placement_text(p: Placement) -> str:
+    """Short human form: ``S(0)``, ``R``, ``P(SUM)``."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.op.name})"
+    return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class FileMeta:
+    """One data file: its size, where its tensor data lies, the checksum of everything else."""
+
+    name: str
+    nbytes: int
+    data: tuple[tuple[int, int], ...]
+    outside_data_crc32: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMeta:
+    """One stored box of a tensor."""
+
+    rank: int
+    file: str
+    dataset: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+    block_rows: int
+    crc32: tuple[int, ...]
+
+    def describe(self) -> str:
+        box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
+        return f"shard of rank {self.rank} ({self.file}, [{box}])"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """One tensor of a checkpoint."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    kind: str  # "flat", "replicate" or "dtensor"
+    placement: dict
+    shard_dim: int | None
+    shards: tuple[ShardMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def placement_text(self) -> str:
+        if self.kind == "flat":
+            return "Shard(0) over ranks"
+        if self.kind == "replicate":
+            return "Replicate()"
+        mesh = "x".join(map(str, self.placement["mesh_shape"]))
+        return f"mesh {mesh} [" + ", ".join(map(placement_text, self.placements())) + "]"
+
+    def placements(self) -> list[Placement]:
+        return [decode_placement(p, self.name) for p in self.placement.get("placements", ())]
+
+    def box_for(self, rank: int, world_size: int, saved_world_size: int):
+        """``(start, stop)`` of what rank ``rank`` of ``world_size`` gets (see load_distributed)."""
+        shape = self.shape
+        start, stop = [0] * len(shape), list(shape)
+        if self.kind == "replicate" or (self.kind == "dtensor" and self.shard_dim is None):
+            return start, stop
+        if world_size == saved_world_size:
+            if self.kind == "flat":
+                rows = self.placement["rows"]
+                start[0] = sum(rows[:rank])
+                stop[0] = start[0] + rows[rank]
+                return start, stop
+            data = [None if isinstance(p, Partial) else p for p in self.placements()]
+            coords = self.placement["rank_coords"][rank]
+            ranges = _ranges(shape, self.placement["mesh_shape"], data, coords)
+            return [a for a, _ in ranges], [b for _, b in ranges]
+        d = self.shard_dim
+        start[d], stop[d] = chunk_range(shape[d], world_size, rank)
+        return start, stop
+
+
+def commit_marker(metadata_bytes: bytes) -> bytes:
+    """The content of the ``COMMIT`` file for a ``metadata.json`` of these bytes."""
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "metadata_bytes": len(metadata_bytes),
+        "metadata_crc32": zlib.crc32(metadata_bytes),
+    }
+    return (json.dumps(marker) + "\n").encode()
+
+
+# ---------------------------------------------------------------------------
+# validation of metadata.json
+# ---------------------------------------------------------------------------
+
+
+def _fail(where: str, what: str) -> CheckpointMetadataError:
+    return CheckpointMetadataError(f"metadata.json: {where}: {what}")
+
+
+def _get(obj: dict, key: str, kind, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise _fail(where, f"missing {key!r}")
+    value = obj[key]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise _fail(where, f"{key!r} is {value!r}, not a {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _ints(value, where: str, what: str, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+    ):
+        raise _fail(where, f"{what} must be a list of integers >= {minimum}, got {value!r}")
+    return tuple(value)
+
+
+def _dtype(text: object, where: str) -> np.dtype:
+    try:
+        dtype = np.dtype(text) if isinstance(text, str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype not in _SUPPORTED:
+        raise _fail(where, f"dtype {text!r} is not one ferrompi saves")
+    return dtype
+
+
+def _shard(obj, tensor: str, ndim: int, itemsize: int, files: set, shape) -> ShardMeta:
+    where = f"tensor {tensor!r}, shard"
+    rank = _get(obj, "rank", int, where)
+    where = f"tensor {tensor!r}, shard of rank {rank}"
+    file = _get(obj, "file", str, where)
+    if file not in files:
+        raise _fail(where, f"file {file!r} is not in the checkpoint's 'files'")
+    dataset = _get(obj, "dataset", str, where)
+    offsets = _ints(_get(obj, "offsets", list, where), where, "'offsets'")
+    sizes = _ints(_get(obj, "sizes", list, where), where, "'sizes'", 1)
+    if len(offsets) != ndim or len(sizes) != ndim:
+        raise _fail(where, f"offsets {list(offsets)} and sizes {list(sizes)} must have {ndim}")
+    for d in range(ndim):
+        if offsets[d] + sizes[d] > shape[d]:
+            raise _fail(where, f"box [{offsets}, +{sizes}] leaves the shape {list(shape)}")
+    nbytes = _get(obj, "nbytes", int, where)
+    if nbytes != math.prod(sizes) * itemsize:
+        raise _fail(where, f"nbytes {nbytes} != {math.prod(sizes)} elements * {itemsize} bytes")
+    block_rows = _get(obj, "block_rows", int, where)
+    if block_rows < 1:
+        raise _fail(where, f"block_rows must be >= 1, got {block_rows}")
+    crcs = _ints(_get(obj, "crc32", list, where), where, "'crc32'")
+    rows = sizes[0] if sizes else 1
+    if len(crcs) != -(-rows // block_rows):
+        raise _fail(where, f"{len(crcs)} checksums for {rows} rows in blocks of {block_rows}")
+    return ShardMeta(rank, file, dataset, offsets, sizes, nbytes, block_rows, crcs)
+
+
+def _file(name: object, obj) -> FileMeta:
+    where = f"file {name!r}"
+    if not isinstance(name, str) or not name or os.path.basename(name) != name:
+        raise _fail("top level", f"'files' must be keyed by plain file names, got {name!r}")
+    nbytes = _get(obj, "bytes", int, where)
+    data = _get(obj, "data", list, where)
+    extents, end = [], 0
+    for e in data:
+        e = _ints(e, where, "'data' entries")
+        if len(e) != 2 or e[0] < end or e[0] + e[1] > nbytes:
+            raise _fail(where, f"data extents {data} are not sorted, disjoint and within {nbytes}")
+        extents.append(e)
+        end = e[0] + e[1]
+    crc = _get(obj, "outside_data_crc32", int, where)
+    return FileMeta(name, nbytes, tuple(extents), crc)
+
+
+def _placement(obj, name: str, kind: str, shape, world_size: int) -> tuple[dict, int | None]:
+    where = f"tensor {name!r}, placement"
+    if kind == "flat":
+        rows = _ints(_get(obj, "rows", list, where), where, "'rows'")
+        if not shape or len(rows) != world_size or sum(rows) != shape[0]:
+            raise _fail(where, f"rows {list(rows)} do not split {list(shape)} over {world_size}")
+        return {"kind": kind, "rows": list(rows)}, 0
+    if kind == "replicate":
+        return {"kind": kind}, None
+    if kind != "dtensor":
+        raise _fail(where, f"unknown kind {kind!r}")
+    mesh_shape = _ints(_get(obj, "mesh_shape", list, where), where, "'mesh_shape'", 1)
+    placements = _get(obj, "placements", list, where)
+    if len(placements) != len(mesh_shape) or not mesh_shape:
+        raise _fail(where, f"{len(placements)} placements for mesh {list(mesh_shape)}")
+    decoded = [decode_placement(p, name) for p in placements]
+    for p in decoded:
+        if isinstance(p, Shard) and p.dim >= len(shape):
+            raise _fail(where, f"Shard({p.dim}) of a {len(shape)}-d tensor")
+    coords = _get(obj, "rank_coords", list, where)
+    if len(coords) != world_size:
+        raise _fail(where, f"{len(coords)} rank_coords for {world_size} ranks")
+    for c in coords:
+        c = _ints(c, where, "rank_coords entries")
+        if len(c) != len(mesh_shape) or any(a >= n for a, n in zip(c, mesh_shape, strict=True)):
+            raise _fail(where, f"coordinate {list(c)} is not on mesh {list(mesh_shape)}")
+    names = obj.get("mesh_dim_names")
+    shard_dims = [p.dim for p in decoded if isinstance(p, Shard)]
+    value = {
+        "kind": kind,
+        "mesh_shape": list(mesh_shape),
+        "mesh_dim_names": names,
+        "placements": placements,
+        "rank_coords": coords,
+    }
+    return value, (shard_dims[0] if shard_dims else None)
+
+
+def _tensor(name: str, obj, world_size: int, files: set) -> TensorMeta:
+    where = f"tensor {name!r}"
+    dtype = _dtype(_get(obj, "dtype", str, where), where)
+    shape = _ints(_get(obj, "shape", list, where), where, "'shape'")
+    placement = _get(obj, "placement", dict, where)
+    kind = _get(placement, "kind", str, f"{where}, placement")
+    placement, shard_dim = _placement(placement, name, kind, shape, world_size)
+    shards = tuple(
+        _shard(s, name, len(shape), dtype.itemsize, files, shape)
+        for s in _get(obj, "shards", list, where)
+    )
+    stored = sum(math.prod(s.sizes) for s in shards)
+    if stored != math.prod(shape):
+        raise _fail(
+            where,
+            f"the shards hold {stored} elements, the shape {list(shape)} needs {math.prod(shape)}",
+        )
+    return TensorMeta(name, dtype, shape, kind, placement, shard_dim, shards)
+
+
+class Checkpoint:
+    """A checkpoint directory whose ``metadata.json`` has been read and checked.
+
+    Attributes
+    ----------
+    path : str
+        The directory.
+    world_size : int
+        Ranks that saved it.
+    layout : str
+        ``"per-rank"`` (one shard file per rank and a virtual ``global.h5``)
+        or ``"single"`` (one shared ``global.h5``).
+    tensors : dict of str to TensorMeta
+    objects : dict
+        Non-array leaves by name.
+    groups : list of str
+    files : list of str
+        Data files (relative to ``path``).
+    raw : bytes
+        The bytes of ``metadata.json``.
+    """
+
+    def __init__(self, path: str, raw: bytes, doc: dict) -> None:
+        self.path = path
+        self.raw = raw
+        self.doc = doc
+        self.world_size = _get(doc, "world_size", int, "top level")
+        if self.world_size < 1:
+            raise _fail("top level", f"world_size {self.world_size} < 1")
+        self.layout = _get(doc, "layout", str, "top level")
+        if self.layout not in LAYOUTS:
+            raise _fail("top level", f"layout {self.layout!r} is not one of {LAYOUTS}")
+        files = _get(doc, "files", dict, "top level")
+        self.files = {name: _file(name, obj) for name, obj in files.items()}
+        if self.layout == "per-rank":
+            needed = [shard_file(r) for r in range(self.world_size)] + [GLOBAL]
+        else:
+            needed = [GLOBAL]
+        if sorted(self.files) != sorted(needed):
+            raise _fail(
+                "top level",
+                f"'files' are {sorted(self.files)}, layout {self.layout!r} "
+                f"of {self.world_size} rank(s) has {sorted(needed)}",
+            )
+        checksum = _get(doc, "checksum", dict, "top level")
+        if checksum.get("algorithm") != "crc32":
+            raise _fail("checksum", f"algorithm {checksum.get('algorithm')!r} is not crc32")
+        fileset = set(files)
+        tensors = _get(doc, "tensors", dict, "top level")
+        self.tensors = {
+            name: _tensor(name, t, self.world_size, fileset) for name, t in tensors.items()
+        }
+        for t in self.tensors.values():
+            for sh in t.shards:
+                file = shard_file(sh.rank) if self.layout == "per-rank" else GLOBAL
+                if sh.rank >= self.world_size or sh.file != file:
+                    raise _fail(
+                        f"tensor {t.name!r}, shard of rank {sh.rank}",
+                        f"file {sh.file!r}, expected {file!r} of {self.world_size} rank(s)",
+                    )
+        self.objects = _get(doc, "objects", dict, "top level")
+        groups = _get(doc, "groups", list, "top level")
+        if not all(isinstance(g, str) for g in groups):
+            raise _fail("top level", "'groups' must be a list of strings")
+        self.groups = groups
+
+    def file_path(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def check_commit(self, verify: bool) -> None:
+        """The ``COMMIT`` marker exists (and, with ``verify``, matches ``metadata.json``)."""
+        marker_path = self.file_path(COMMIT)
+        try:
+            with open(marker_path, "rb") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise CheckpointIOError(
+                f"{self.path} has no commit marker {COMMIT}: the save that wrote it did not "
+                "finish (ferrompi renames a checkpoint into place only after committing it)",
+                marker_path,
+            ) from None
+        except OSError as exc:
+            raise CheckpointIOError(f"reading {marker_path}: {exc}", marker_path) from exc
+        if verify and text != commit_marker(self.raw):
+            raise CheckpointMetadataError(
+                f"{marker_path} does not match metadata.json (size {len(self.raw)}, crc32 "
+                f"{zlib.crc32(self.raw):#010x}): metadata.json is damaged or was edited"
+            )
+
+    def check_files(self) -> None:
+        """Every data file named by the metadata exists (else :class:`MissingShard`)."""
+        for name in self.files:
+            path = self.file_path(name)
+            if not os.path.isfile(path):
+                raise MissingShard(path)
+
+    def check_file(self, name: str, fd: int) -> None:
+        """The open file ``name`` has its recorded size, and its bytes outside the tensor data
+        (HDF5 structure, padding) their recorded checksum; else :class:`CheckpointTensorError`.
+        """
+        meta = self.files[name]
+        where = f"{self.file_path(name)}"
+        size = os.fstat(fd).st_size
+        if size != meta.nbytes:
+            raise CheckpointTensorError(
+                f"{where} has {size} bytes, metadata.json records {meta.nbytes}: the file was "
+                "truncated, extended or replaced"
+            )
+        try:
+            crc = outside_crc32(fd, size, meta.data)
+        except EOFError as exc:
+            raise CheckpointTensorError(f"{where}: {exc}") from None
+        if crc != meta.outside_data_crc32:
+            raise CheckpointTensorError(
+                f"{where}: checksum mismatch in its HDF5 structure (the bytes outside the tensor "
+                f"data): crc32 {crc:#010x}, metadata.json records "
+                f"{meta.outside_data_crc32:#010x}; the file is damaged"
+            )
+
+
+def open_checkpoint(path, *, verify: bool = True) -> Checkpoint:
+    """Read and check ``path/metadata.json`` and the commit marker.
+
+    Raises
+    ------
+    CheckpointIOError
+        If ``metadata.json`` (or the commit marker) cannot be read.
+    CheckpointSerializationError
+        If it is not valid JSON.
+    CheckpointMetadataError
+        If it is JSON but not a checkpoint of a format version this ferrompi reads.
+    """
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise CheckpointInvalidArgument(f"path must be a path, not {path!r}") from None
+    meta_path = os.path.join(path, METADATA)
+    try:
+        with open(meta_path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        what = "directory does not exist" if not os.path.isdir(path) else "no metadata.json"
+        raise CheckpointIOError(
+            f"reading checkpoint metadata {meta_path}: {what}", meta_path
+        ) from None
+    except OSError as exc:
+        message = f"reading checkpoint metadata {meta_path}: {exc}"
+        raise CheckpointIOError(message, meta_path) from exc
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointSerializationError(
+            f"checkpoint metadata {meta_path} is not valid JSON: {exc}"
+        ) from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointMetadataError(
+            f"{meta_path} is not a ferrompi checkpoint (format {found!r}, expected {FORMAT!r})"
+        )
+    version = doc.get("version")
+    if version != VERSION:
+        raise CheckpointMetadataError(
+            f"{meta_path} has format version {version!r}; this ferrompi reads version {VERSION}"
+        )
+    ckpt = Checkpoint(path, raw, doc)
+    ckpt.check_commit(verify)
+    return ckpt

@@ -1,0 +1,671 @@
+"""Loading checkpoints: any world size, only the bytes a rank needs, checksums verified.
+
+A rank's part of a tensor is a box of the global array. For every stored
+box (shard) that intersects it, the intersection is read straight into the
+result (``preadv`` into the output array when the rows are contiguous in
+both, else through a reused 8 MiB buffer), and, with ``verify``, the
+checksum blocks it touches are checked: the rows of a partly read block are
+read too (at most one block, about 1 MiB, at each end).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+
+import h5py
+import numpy as np
+
+from .._progress import timeout_seconds
+from ..backend import Backend
+from ..dtensor import Partial, _partition, _ranges
+from ..errors import (
+    CheckpointInvalidArgument,
+    CheckpointTensorError,
+    DistCheckpointError,
+    FerrompiError,
+    MissingShard,
+)
+from ._format import GLOBAL, Checkpoint, ShardMeta, TensorMeta, open_checkpoint
+from ._h5 import ShardSource
+from ._io import CHUNK, DEPTH, BlockCRC, Damage, scratch, stream
+from ._tree import flatten, native_dtype, unflatten
+
+__all__ = [
+    "load_distributed",
+    "load_distributed_into",
+    "reshard",
+    "verify_checkpoint",
+    "Reader",
+]
+
+Timeout = float | timedelta | None
+
+
+class Reader:
+    """The open data files of one checkpoint; reads boxes of its tensors.
+
+    Use as a context manager: it closes the files on exit.
+
+    Examples
+    --------
+    >>> import os, tempfile, numpy as np, ferrompi as fm
+    >>> from ferrompi.checkpoint import save_distributed
+    >>> from ferrompi.checkpoint._format import open_checkpoint
+    >>> from ferrompi.checkpoint._load import Reader
+    >>> path = os.path.join(tempfile.mkdtemp(), "c")
+    >>> _ = fm.SimulatedBackend.run(
+    ...     2, lambda b: save_distributed({"x": np.arange(3) + 3 * b.rank}, path, b))
+    >>> ckpt = open_checkpoint(path)
+    >>> with Reader(ckpt) as r:
+    ...     r.read(ckpt.tensors["x"], [2], [5]).tolist()
+    [2, 3, 4]
+    """
+
+    def __init__(self, ckpt: Checkpoint, verify: bool = True) -> None:
+        self.ckpt = ckpt
+        self.verify = verify
+        self._files: dict[str, tuple[h5py.File, int]] = {}
+        self._sources: dict[tuple[str, int], ShardSource] = {}
+        self._checked: set[str] = set()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f, fd in self._files.values():
+            f.close()
+            os.close(fd)
+        self._files.clear()
+        self._sources.clear()
+
+    def source(self, t: TensorMeta, s: ShardMeta) -> ShardSource:
+        key = (t.name, id(s))
+        src = self._sources.get(key)
+        if src is not None:
+            return src
+        opened = self._files.get(s.file)
+        if opened is None:
+            try:
+                opened = self._files[s.file] = self.open(s.file)
+            except CheckpointTensorError as exc:
+                raise CheckpointTensorError(f"tensor {t.name!r}, {s.describe()}: {exc}") from None
+        f, fd = opened
+        extents = self.ckpt.files[s.file].data
+        src = ShardSource(t, s, f, fd, self.ckpt.layout == "single", extents)
+        try:
+            self.check_file(s.file)
+        except CheckpointTensorError as exc:
+            raise CheckpointTensorError(f"tensor {t.name!r}, {s.describe()}: {exc}") from None
+        self._sources[key] = src
+        return src
+
+    def check_file(self, name: str) -> None:
+        """With ``verify``, check the open file ``name``'s size and HDF5 structure (once).
+
+        Runs after the dataset checks of :class:`ShardSource`, which name what
+        is wrong more precisely (a swapped or rewritten shard).
+        """
+        if self.verify and name not in self._checked:
+            self.ckpt.check_file(name, self._files[name][1])
+            self._checked.add(name)
+
+    def open(self, name: str) -> tuple[h5py.File, int]:
+        """Open the data file ``name`` (its checks are :meth:`check_file`'s)."""
+        path = self.ckpt.file_path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingShard(path) from None
+        try:
+            try:
+                f = h5py.File(path, "r")
+            except OSError as exc:
+                raise CheckpointTensorError(
+                    f"{path} cannot be opened as HDF5 (damaged?): {exc}"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return f, fd
+
+    def check_global(self) -> None:
+        """With ``verify``, check ``global.h5`` of the per-rank layout (which loads never read)."""
+        if self.verify and self.ckpt.layout == "per-rank":
+            path = self.ckpt.file_path(GLOBAL)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise MissingShard(path) from None
+            try:
+                self.ckpt.check_file(GLOBAL, fd)
+            finally:
+                os.close(fd)
+
+    # -- reading ---------------------------------------------------------------
+
+    def read(self, t: TensorMeta, start, stop, out: np.ndarray | None = None) -> np.ndarray:
+        """The box ``[start, stop)`` of tensor ``t`` (into ``out``, C-contiguous, if given)."""
+        shape = [b - a for a, b in zip(start, stop, strict=True)]
+        if out is None:
+            out = np.empty(shape, t.dtype)
+        start1, stop1 = (list(start), list(stop)) if t.shape else ([0], [1])
+        out1 = out.reshape([b - a for a, b in zip(start1, stop1, strict=True)])
+        for s in t.shards:
+            off, size = s.offsets or (0,), s.sizes or (1,)
+            lo = [max(a, o) for a, o in zip(start1, off, strict=True)]
+            hi = [min(b, o + n) for b, o, n in zip(stop1, off, size, strict=True)]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            src = self.source(t, s)
+            r0, r1 = lo[0] - off[0], hi[0] - off[0]
+            inner = tuple(
+                slice(a - o, b - o) for a, b, o in zip(lo[1:], hi[1:], off[1:], strict=True)
+            )
+            dest = out1[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, start1, strict=True))]
+            full = all(sl.stop - sl.start == n for sl, n in zip(inner, size[1:], strict=True))
+            try:
+                if full and dest.flags.c_contiguous:
+                    self._read_rows(src, r0, r1, dest)
+                else:
+
+                    def copy(a: int, b: int, rows: np.ndarray, dest=dest, r0=r0, inner=inner):
+                        dest[a - r0 : b - r0] = rows[(slice(None), *inner)]
+
+                    self.scan(src, r0, r1, copy)
+            except Damage as exc:
+                raise self._damage(src, exc) from None
+        return out
+
+    @staticmethod
+    def _damage(src: ShardSource, exc: Damage) -> CheckpointTensorError:
+        br = src.shard.block_rows
+        a, b = exc.block * br, min((exc.block + 1) * br, src.rows)
+        return CheckpointTensorError(
+            f"tensor {src.tensor.name!r}, {src.shard.describe()}: checksum mismatch in rows "
+            f"{a}:{b} of the shard (block {exc.block}): crc32 {exc.got:#010x}, metadata.json "
+            f"records {exc.expected:#010x}"
+        )
+
+    def _crc(self, src: ShardSource, r0: int, r1: int) -> tuple[BlockCRC, int, int]:
+        """The verifier of rows ``[r0, r1)``, and the block-aligned rows it needs."""
+        br, rb = src.shard.block_rows, src.row_bytes
+        a = r0 // br * br
+        b = min(-(-r1 // br) * br, src.rows)
+        crc = BlockCRC(br * rb, src.rows * rb, src.shard.crc32, a // br)
+        return crc, a, b
+
+    def _read_rows(self, src: ShardSource, r0: int, r1: int, dest: np.ndarray) -> None:
+        """Rows ``[r0, r1)`` of a box straight into ``dest`` (C-contiguous, full rows).
+
+        With ``verify``, the rest of the first and last checksum blocks is read
+        into a scratch buffer by the same scatter reads, so the file is read
+        in one sequential pass.
+        """
+        rb = src.row_bytes
+        flat = dest.reshape(-1).view(np.uint8)
+        per = max(1, CHUNK // rb)
+        count = -(-(r1 - r0) // per)
+        crc, head, tail = None, flat[:0], flat[:0]
+        a = r0
+        if self.verify:
+            crc, a, b = self._crc(src, r0, r1)
+            spare = scratch(DEPTH + 1, (r0 - a + b - r1) * rb)
+            head, tail = spare[: (r0 - a) * rb], spare[(r0 - a) * rb :]
+
+        def read(i: int) -> list[np.ndarray]:
+            lo = r0 + i * per
+            hi = min(r1, lo + per)
+            parts = [flat[(lo - r0) * rb : (hi - r0) * rb]]
+            if i == 0:
+                parts.insert(0, head)
+            if i == count - 1:
+                parts.append(tail)
+            src.read_rows(a if i == 0 else lo, parts)
+            return parts
+
+        def check(i: int, parts: list[np.ndarray]) -> None:
+            if crc is not None:
+                for part in parts:
+                    crc.feed(part)
+
+        stream(count, read, check)
+
+    def scan(self, src: ShardSource, r0: int, r1: int, consume=None) -> None:
+        """Stream rows ``[r0, r1)`` of a box through ``DEPTH + 1`` reused buffers.
+
+        ``consume(a, b, rows)`` gets each run of rows ``[a, b)`` as an array;
+        with ``verify`` the covering blocks are read and checked.
+        """
+        rb, br = src.row_bytes, src.shard.block_rows
+        crc = None
+        if self.verify:
+            crc, a, b = self._crc(src, r0, r1)
+            per = max(br, CHUNK // rb // br * br)
+        else:
+            a, b, per = r0, r1, max(1, CHUNK // rb)
+        count = -(-(b - a) // per)
+        size = min(per, b - a) * rb
+        buffers = [scratch(k, size) for k in range(DEPTH + 1)]
+        row_shape = (-1, *src.row_shape)
+        dtype = src.tensor.dtype
+
+        def read(i: int):
+            ca = a + i * per
+            cb = min(b, ca + per)
+            buf = buffers[i % len(buffers)][: (cb - ca) * rb]
+            src.read_rows(ca, [buf])
+            return ca, cb, buf
+
+        def use(i: int, item) -> None:
+            ca, cb, buf = item
+            if crc is not None:
+                crc.feed(buf)
+            lo, hi = max(ca, r0), min(cb, r1)
+            if consume is not None and lo < hi:
+                rows = buf.view(dtype).reshape(row_shape)
+                consume(lo, hi, rows[lo - ca : hi - ca])
+
+        stream(count, read, use)
+
+    def verify_tensor(self, t: TensorMeta) -> None:
+        """Read every stored byte of ``t`` and check it (raises on damage)."""
+        for s in t.shards:
+            src = self.source(t, s)
+            try:
+                self.scan(src, 0, src.rows)
+            except Damage as exc:
+                raise self._damage(src, exc) from None
+
+
+# ---------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------
+
+
+def _check_rank(rank, world_size) -> tuple[int, int]:
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise CheckpointInvalidArgument(f"{name} must be an integer, not {value!r}")
+    if world_size < 1:
+        raise CheckpointInvalidArgument(f"world size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise CheckpointInvalidArgument(
+            f"rank {rank} is outside a world of size {world_size} (valid ranks 0..{world_size - 1})"
+        )
+    return int(rank), int(world_size)
+
+
+def load_distributed(path, rank: int, world_size: int, *, verify: bool = True) -> dict:
+    """The state dict rank ``rank`` of a ``world_size``-rank job gets; no communication.
+
+    Every array comes back as rank ``rank``'s part:
+
+    * at the world size that saved it, exactly what that rank saved (plain
+      arrays: its rows; DTensors: its local part, Partial dimensions reduced);
+    * at another world size, the tensor re-split along its shard dimension
+      (axis 0 for plain arrays, the first ``Shard`` dimension of a DTensor)
+      by torch's chunk rule (:func:`~ferrompi.chunk_range`);
+    * replicated tensors (0-d arrays, DTensors without a Shard) in full.
+
+    Only the stored boxes that intersect the part are opened, and only the
+    rows needed (plus, with ``verify``, the rest of the checksum blocks they
+    touch, at most about 1 MiB at each end) are read, so memory and I/O are
+    bounded by what the rank gets. Non-array values come back as saved.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint directory.
+    rank, world_size : int
+        Who is loading.
+    verify : bool
+        Check the checksums of the bytes read and the commit marker.
+
+    Returns
+    -------
+    dict
+        The nested state dict (0-d arrays for saved numpy scalars, lists for
+        saved tuples).
+
+    Raises
+    ------
+    CheckpointIOError
+        No ``metadata.json`` (or no commit marker) at ``path``.
+    CheckpointSerializationError
+        ``metadata.json`` is not valid JSON.
+    CheckpointMetadataError
+        It is not a ferrompi checkpoint of a known format version, or does
+        not match its commit marker.
+    MissingShard
+        A data file it names does not exist (``err.path``).
+    CheckpointTensorError
+        A stored box does not match the metadata: checksum, shape, dtype
+        (the message names the tensor and the shard).
+    CheckpointInvalidArgument
+        ``rank`` outside ``[0, world_size)``.
+
+    Examples
+    --------
+    >>> import os, tempfile, numpy as np, ferrompi as fm
+    >>> from ferrompi.checkpoint import save_distributed, load_distributed
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = fm.SimulatedBackend.run(
+    ...     3, lambda b: save_distributed({"w": np.full(2, b.rank)}, path, b))
+    >>> load_distributed(path, 0, 1)["w"].tolist()
+    [0, 0, 1, 1, 2, 2]
+    >>> [load_distributed(path, r, 4)["w"].tolist() for r in range(4)]
+    [[0, 0], [1, 1], [2, 2], []]
+    """
+    rank, world_size = _check_rank(rank, world_size)
+    ckpt = open_checkpoint(path, verify=verify)
+    ckpt.check_files()
+    leaves = {}
+    with Reader(ckpt, verify) as reader:
+        reader.check_global()
+        for t in ckpt.tensors.values():
+            start, stop = t.box_for(rank, world_size, ckpt.world_size)
+            leaves[t.name] = reader.read(t, start, stop)
+    leaves.update(ckpt.objects)
+    return unflatten(leaves, ckpt.groups)
+
+
+def reshard(path, new_world_size: int, new_rank: int, *, verify: bool = True) -> dict:
+    """The state dict rank ``new_rank`` of ``new_world_size`` ranks gets (the reference's name).
+
+    Same as ``load_distributed(path, new_rank, new_world_size)``.
+
+    Examples
+    --------
+    >>> import os, tempfile, numpy as np, ferrompi as fm
+    >>> from ferrompi.checkpoint import save_distributed, reshard
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = fm.SimulatedBackend.run(2, lambda b: save_distributed({"w": np.arange(3)}, path, b))
+    >>> reshard(path, 3, 1)["w"].tolist()
+    [2, 0]
+    """
+    return load_distributed(path, new_rank, new_world_size, verify=verify)
+
+
+def _set(state_dict: dict, name: str, value) -> None:
+    *parents, last = name.split("/")
+    node = state_dict
+    for key in parents:
+        node = node[key]
+    node[last] = value
+
+
+def _targets(state_dict, ckpt: Checkpoint, backend: Backend):
+    """Check the target state dict against the checkpoint; what each leaf needs."""
+    flat = flatten(state_dict)
+    rows, dts, arrays = {}, {}, {}
+
+    def meta(name: str, dtype: np.dtype) -> TensorMeta:
+        t = ckpt.tensors.get(name)
+        if t is None:
+            raise CheckpointTensorError(
+                f"{name!r} is not in the checkpoint {ckpt.path} (it holds "
+                f"{sorted(ckpt.tensors)[:20]})"
+            )
+        dtype = native_dtype(name, dtype)
+        if dtype != t.dtype:
+            raise CheckpointTensorError(
+                f"tensor {name!r}: the checkpoint stores dtype {t.dtype}, the target is {dtype}"
+            )
+        return t
+
+    for name, a in flat.arrays.items():
+        t = meta(name, a.dtype)
+        if np.ndim(a) != len(t.shape) or tuple(np.shape(a)[1:]) != t.shape[1:]:
+            raise CheckpointTensorError(
+                f"tensor {name!r}: the checkpoint's global shape {list(t.shape)} does not fit a "
+                f"local array of shape {list(np.shape(a))} (same number of dims and trailing "
+                "dims needed)"
+            )
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise CheckpointInvalidArgument(f"{name!r}: the target array is read-only")
+        arrays[name] = t
+        if t.shape:
+            rows[name] = int(a.shape[0])
+    for name, dt in flat.dtensors.items():
+        t = meta(name, dt.dtype)
+        if tuple(dt.shape) != t.shape:
+            raise CheckpointTensorError(
+                f"tensor {name!r}: the checkpoint stores global shape {list(t.shape)}, the "
+                f"DTensor's is {list(dt.shape)}"
+            )
+        mesh = dt.mesh
+        coords = mesh.get_coordinate() if mesh.is_live else mesh.coords(backend.rank)
+        data = [None if isinstance(p, Partial) else p for p in dt.placements]
+        ranges = _ranges(t.shape, mesh.shape, data, coords)
+        if not dt.to_local().flags.writeable:
+            raise CheckpointInvalidArgument(f"{name!r}: the DTensor's local array is read-only")
+        dts[name] = (t, ranges, coords)
+    for name in flat.objects:
+        if name not in ckpt.objects:
+            raise CheckpointTensorError(f"{name!r} is not a saved value of {ckpt.path}")
+    return flat, arrays, rows, dts
+
+
+def _into(reader: Reader, t: TensorMeta, target, start, stop) -> None:
+    if isinstance(target, np.ndarray) and target.flags.c_contiguous and target.dtype.isnative:
+        reader.read(t, start, stop, out=target)
+    else:
+        np.copyto(target, reader.read(t, start, stop))
+
+
+def load_distributed_into(
+    state_dict: Mapping,
+    path,
+    backend: Backend,
+    *,
+    verify: bool = True,
+    timeout: Timeout = None,
+) -> Mapping:
+    """Fill the arrays and DTensors of ``state_dict`` in place from a checkpoint; collective.
+
+    ``state_dict`` says what to load and how it is laid out now, at any
+    world size: a plain array receives this rank's rows along axis 0 (the
+    ranks' row counts, exchanged once, give each rank its offset; they must
+    add up to the saved global size), a DTensor receives its box under its
+    own mesh and placements (a Partial dimension gets the value on its first
+    rank and the reduction's identity elsewhere, as ``redistribute`` does),
+    and JSON-safe values are replaced by the saved ones. Names must exist in
+    the checkpoint; names only in the checkpoint are ignored.
+
+    The only communication is one exchange of the row counts (with every
+    rank's problems, so that all ranks raise together) and one of the
+    outcome, so every rank succeeds or every rank raises.
+
+    Parameters
+    ----------
+    state_dict : mapping
+        The target, modified in place.
+    path : str or os.PathLike
+        The checkpoint directory.
+    backend : Backend
+        The ranks loading together.
+    verify : bool
+        Check checksums.
+    timeout : float or datetime.timedelta, optional
+        Deadline of the exchanges.
+
+    Returns
+    -------
+    mapping
+        ``state_dict``.
+
+    Raises
+    ------
+    CheckpointTensorError
+        A name missing from the checkpoint, a dtype or shape that does not
+        fit, damaged data (the failing rank raises its own error, the others
+        a CheckpointTensorError naming it), and the errors of
+        :func:`load_distributed`.
+
+    Examples
+    --------
+    >>> import os, tempfile, numpy as np, ferrompi as fm
+    >>> from ferrompi.checkpoint import save_distributed, load_distributed_into
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = fm.SimulatedBackend.run(
+    ...     2, lambda b: save_distributed({"w": np.arange(4.0) + 4 * b.rank, "lr": 0.1}, path, b))
+    >>> def resume(b):                        # 3 ranks now, uneven rows: 3 + 3 + 2
+    ...     sd = {"w": np.zeros(3 if b.rank < 2 else 2), "lr": None}
+    ...     load_distributed_into(sd, path, b)
+    ...     return sd["w"].tolist(), sd["lr"]
+    >>> fm.SimulatedBackend.run(3, resume)
+    [([0.0, 1.0, 2.0], 0.1), ([3.0, 4.0, 5.0], 0.1), ([6.0, 7.0], 0.1)]
+    """
+    if not isinstance(backend, Backend):
+        raise CheckpointInvalidArgument(f"backend must be a ferrompi backend, not {backend!r}")
+    try:
+        seconds = timeout_seconds(timeout, backend._timeout)
+    except FerrompiError as exc:
+        raise CheckpointInvalidArgument(str(exc)) from None
+    from ._save import exchange
+
+    local = None
+    try:
+        ckpt = open_checkpoint(path, verify=verify)
+        ckpt.check_files()
+        flat, arrays, rows, dts = _targets(state_dict, ckpt, backend)
+        desc = {"rows": rows}
+    except Exception as exc:
+        local, desc = exc, {"error": f"{type(exc).__name__}: {exc}"}
+    descs = exchange(desc, backend, seconds)
+    _agree(descs, local)
+    try:
+        with Reader(ckpt, verify) as reader:
+            reader.check_global()
+            for name, t in arrays.items():
+                target = flat.arrays[name]
+                if not t.shape:
+                    if isinstance(target, np.ndarray):
+                        _into(reader, t, target, [], [])
+                    else:
+                        _set(state_dict, name, t.dtype.type(reader.read(t, [], [])[()]))
+                    continue
+                counts = [d["rows"][name] for d in descs]
+                if sum(counts) != t.shape[0]:
+                    raise CheckpointTensorError(
+                        f"tensor {name!r}: the ranks' arrays hold {sum(counts)} rows ({counts}), "
+                        f"the checkpoint {t.shape[0]}"
+                    )
+                first = sum(counts[: backend.rank])
+                start = [first] + [0] * (len(t.shape) - 1)
+                stop = [first + counts[backend.rank], *t.shape[1:]]
+                _into(reader, t, target, start, stop)
+            for name, (t, ranges, coords) in dts.items():
+                dt = flat.dtensors[name]
+                local_array = dt.to_local()
+                _into(reader, t, local_array, [a for a, _ in ranges], [b for _, b in ranges])
+                for m, p in enumerate(dt.placements):
+                    if isinstance(p, Partial):
+                        np.copyto(local_array, _partition(local_array, p.op, coords[m]))
+        for name in flat.objects:
+            _set(state_dict, name, ckpt.objects[name])
+        outcome, local = {}, None
+    except Exception as exc:
+        outcome, local = {"error": f"{type(exc).__name__}: {exc}"}, exc
+    _agree(exchange(outcome, backend, seconds), local)
+    return state_dict
+
+
+def _agree(outcomes: list[dict], local: BaseException | None) -> None:
+    """Raise on every rank if any rank failed (the failing rank raises its own error)."""
+    failed = [(r, o["error"]) for r, o in enumerate(outcomes) if "error" in o]
+    if not failed:
+        return
+    if local is not None:
+        raise local
+    text = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    raise CheckpointTensorError(f"load_distributed_into failed on other ranks: {text}")
+
+
+def verify_checkpoint(path) -> list[str]:
+    """Every problem of a checkpoint: metadata, missing files, damaged bytes, ``global.h5``.
+
+    Reads every byte of every data file once (through bounded buffers): the
+    tensor data against its block checksums, the rest (HDF5 structure,
+    padding) against its file's checksum. An empty list means the
+    checkpoint is intact.
+
+    Examples
+    --------
+    >>> import os, tempfile, numpy as np, ferrompi as fm
+    >>> from ferrompi.checkpoint import save_distributed, verify_checkpoint
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> _ = fm.SimulatedBackend.run(1, lambda b: save_distributed({"w": np.ones(3)}, path, b))
+    >>> verify_checkpoint(path)
+    []
+    >>> os.remove(os.path.join(path, "shard-00000.h5"))
+    >>> verify_checkpoint(path)  # doctest: +ELLIPSIS
+    ['missing checkpoint shard: .../shard-00000.h5']
+    """
+    try:
+        ckpt = open_checkpoint(path, verify=True)
+    except DistCheckpointError as exc:
+        return [str(exc)]
+    problems, bad = [], set()
+    with Reader(ckpt, verify=True) as reader:
+        for name in ckpt.files:
+            try:
+                reader._files[name] = reader.open(name)
+            except DistCheckpointError as exc:
+                problems.append(str(exc))
+                bad.add(name)
+        for t in ckpt.tensors.values():
+            if any(s.file in bad for s in t.shards):
+                continue
+            try:
+                reader.verify_tensor(t)
+            except DistCheckpointError as exc:
+                problems.append(str(exc))
+                bad.update(s.file for s in t.shards)
+        for name in ckpt.files:
+            if name not in bad and name in reader._files:
+                try:
+                    reader.check_file(name)
+                except DistCheckpointError as exc:
+                    problems.append(str(exc))
+    if ckpt.layout == "per-rank" and GLOBAL not in bad:
+        problems += _check_global(ckpt)
+    return problems
+
+
+def _check_global(ckpt: Checkpoint) -> list[str]:
+    """``global.h5`` holds every tensor with the right shape and dtype (virtual over its shards)."""
+    path = ckpt.file_path(GLOBAL)
+    try:
+        f = h5py.File(path, "r")
+    except (OSError, FileNotFoundError) as exc:
+        return [f"{path} cannot be opened: {exc}"]
+    problems = []
+    with f:
+        for t in ckpt.tensors.values():
+            ds = f.get(t.name)
+            if not isinstance(ds, h5py.Dataset):
+                problems.append(f"{path}: no dataset /{t.name}")
+            elif ds.shape != t.shape or ds.dtype != t.dtype:
+                problems.append(
+                    f"{path}: /{t.name} has shape {ds.shape} dtype {ds.dtype}, metadata.json "
+                    f"says {t.shape} {t.dtype}"
+                )
+            elif (
+                t.shape
+                and t.shards
+                and (not ds.is_virtual or len(ds.virtual_sources()) != len(t.shards))
+            ):
+                problems.append(f"{path}: /{t.name} is not a virtual dataset over its shards")
+        for name in ckpt.objects:
+            parent, _, key = name.rpartition("/")
+            group = f.get(parent) if parent else f
+            if group is None or key not in group.attrs:
+                problems.append(f"{path}: no attribute {key!r} on /{parent}")
+    return problems
