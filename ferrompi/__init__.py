@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from . import models as models
 from . import parallel as parallel
+from ._flight import dump_flight_record, flight_record
 from ._progress import DEFAULT_COLLECTIVE_TIMEOUT, PendingCollective
 from .backend import (
     Backend,
@@ -32,6 +33,19 @@ from .backend import (
     is_mpi_available,
     is_nccl_available,
     is_ucc_available,
+)
+from .checkpoint import (
+    AsyncCheckpointer,
+    CheckpointFuture,
+    ShardMetadata,
+    TensorShardSpec,
+    async_save,
+    flat_shard_metadata,
+    load_distributed,
+    load_distributed_into,
+    reshard,
+    save_distributed,
+    verify_checkpoint,
 )
 from .collectives import (
     all_gather,
@@ -55,6 +69,7 @@ from .collectives import (
     reduce_scatter_v,
     reduce_scatter_with_timeout,
 )
+from .debug import is_debug, set_debug
 from .dtensor import DTensor, Partial, Placement, Replicate, Shard, chunk_range, distribute_tensor
 from .errors import (
     AsyncCheckpointFailed,
@@ -82,7 +97,9 @@ from .errors import (
     SizeMismatch,
     UnsupportedOp,
 )
+from .excepthook import install_excepthook
 from .groups import SubBackend, new_group
+from .launch import LaunchInfo, launch_info
 from .mesh import DeviceMesh, init_device_mesh
 from .ops import ReduceOp
 from .p2p import (
@@ -111,6 +128,8 @@ __all__ = [
     "is_ucc_available",
     "is_nccl_available",
     "cuda_aware",
+    "launch_info",
+    "LaunchInfo",
     # collectives
     "ReduceOp",
     "DEFAULT_COLLECTIVE_TIMEOUT",
@@ -156,6 +175,24 @@ __all__ = [
     "irecv",
     "recv_with_timeout",
     "recv_into_with_timeout",
+    # checkpoints
+    "save_distributed",
+    "load_distributed",
+    "load_distributed_into",
+    "reshard",
+    "async_save",
+    "AsyncCheckpointer",
+    "CheckpointFuture",
+    "flat_shard_metadata",
+    "ShardMetadata",
+    "TensorShardSpec",
+    "verify_checkpoint",
+    # failures: debugging and abort
+    "set_debug",
+    "is_debug",
+    "flight_record",
+    "dump_flight_record",
+    "install_excepthook",
     # errors
     "FerrompiError",
     "DistributedError",

@@ -14,8 +14,12 @@ the core, so completion is noticed within about 0.5 us and the loop's cost
 is below the noise at every size. With 4 ranks on 2 cores, yielding after 16
 tests matches MPICH's own blocking calls (18 us for a 16-byte allreduce,
 against 228 us when yielding only after 1024 tests). The deadline check adds
-one clock read per 256 tests. Requests of the in-process simulated backend
-carry an event and are waited on with it, so simulated ranks do not spin.
+one clock read per 256 tests. A collective that has waited 10 ms also reads
+its peers' status-board records every 10 ms, so that a peer that rejected
+the call locally (bad input) makes it raise at once instead of at the
+deadline. Requests of the in-process simulated backend carry an event and
+are waited on with it (in 10 ms slices, for the same check), so simulated
+ranks do not spin.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import os
 import time
 from datetime import timedelta
 
-from . import _status
+from . import _status, debug
+from ._flight import dump_participant
 from ._mpi import MPI
 from .errors import (
     CollectiveTimeout,
@@ -104,7 +109,9 @@ class CommState:
         "__weakref__",
         "broken",
         "comm",
+        "flight",
         "key",
+        "last",
         "participant",
         "rank",
         "rec",
@@ -126,9 +133,32 @@ class CommState:
         self.seq = 0
         self.timeout = timeout
         self.broken: str | None = None
+        self.flight = participant.flight.ring
+        self.last: list | None = None
 
-    def begin(self, opcode: int, peer: int = -1) -> int:
-        """Record the start of an operation; collectives (``peer < 0``) get a number."""
+    def begin(
+        self,
+        opcode: int,
+        peer: int = -1,
+        shape: tuple | None = None,
+        dtype=None,
+        op=None,
+        root: int = -1,
+        timeout: float | None = None,
+    ) -> int:
+        """Record the start of an operation; collectives (``peer < 0``) get a number.
+
+        Writes the status board and appends a flight-recorder entry (``last``).
+        In debug mode (:mod:`ferrompi.debug`), a collective first checks that
+        every rank called the same one with the same ``shape``, ``dtype``,
+        reduction ``op`` and ``root``.
+        """
+        seq = self._start(opcode, peer, shape, dtype)
+        if debug.ENABLED and peer < 0:
+            debug.check(self, debug.header(opcode, seq, shape, dtype, op, root), timeout)
+        return seq
+
+    def _start(self, opcode: int, peer: int, shape, dtype) -> int:
         if self.broken is not None:
             raise DistributedError(self.broken)
         rec = self.rec
@@ -142,18 +172,40 @@ class CommState:
         rec[_status.KEY] = self.key
         rec[_status.SEQ] = seq
         rec[_status.PEER] = peer
-        rec[_status.T_START] = time.monotonic_ns()
+        rec[_status.T_START] = now = time.monotonic_ns()
         rec[_status.STATE] = _status.ACTIVE
+        self.last = entry = [seq, opcode, self.key, self.size, shape, dtype, peer, now, 0, 1]
+        self.flight.append(entry)
         return seq
 
-    def end(self, state: int = _status.DONE) -> None:
+    def end(self, state: int = _status.DONE, entry: list | None = None) -> None:
         rec = self.rec
-        rec[_status.T_END] = time.monotonic_ns()
+        rec[_status.T_END] = now = time.monotonic_ns()
         rec[_status.STATE] = state
+        entry = self.last if entry is None else entry
+        if entry is not None:
+            entry[8] = now
+            entry[9] = state
 
     def fail_before_start(self, opcode: int) -> None:
-        """Record that an operation was rejected locally (peers may wait for it)."""
+        """Record that an operation was rejected locally (peers may wait for it).
+
+        In debug mode a rejected collective still takes part in the header
+        exchange, flagged, so that its peers raise instead of waiting.
+        """
         rec = self.rec
+        if opcode not in _POINT_TO_POINT and self.broken is None:
+            if debug.ENABLED:
+                seq = self._start(opcode, -1, None, None)
+                try:
+                    debug.check(self, debug.header(opcode, seq, rejected=True))
+                except DistributedError:
+                    pass  # the caller raises its own, more precise error
+            else:
+                # The number is not consumed: MPI would match this rank's next
+                # collective with the one its peers started.
+                seq = self.seq + 1
+            rec[self.slot + _status.REJECTED] = seq  # peers waiting for it raise
         rec[_status.OP] = opcode
         rec[_status.KEY] = self.key
         rec[_status.SEQ] = 0
@@ -162,33 +214,78 @@ class CommState:
         rec[_status.STATE] = _status.FAILED
 
 
-def _spin(req, status, deadline: float) -> bool:
-    """Test ``req`` until it completes (True) or the deadline passes (False)."""
+_POINT_TO_POINT = frozenset(
+    _status.OPCODE[name] for name in ("send", "recv", "recv_into", "sendrecv", "isend", "irecv")
+)
+
+
+#: A wait that has lasted this long starts looking at the status board, every
+#: as long again, for a peer that rejected the collective before communicating.
+PROBE_INTERVAL = 0.01
+
+
+class _PeerRejected(Exception):
+    """Raised by a wait's probe: a peer rejected this collective locally."""
+
+
+def _spin(req, status, deadline: float, probe=None) -> bool:
+    """Test ``req`` until it completes (True) or the deadline passes (False).
+
+    ``probe``, if given, is ``(state, seq, op_name)`` of a collective: every
+    :data:`PROBE_INTERVAL` seconds, once the wait has lasted that long, the
+    status board is read for a peer that rejected it (:func:`_check_peers`).
+    """
     test = req.Test
     monotonic = time.monotonic
     spins = 0
+    next_probe = 0.0
     while not test(status):
         spins += 1
         if spins > 16:
             os.sched_yield()
-            if not spins & 255 and monotonic() > deadline:
-                return False
+            if not spins & 255:
+                now = monotonic()
+                if now > deadline:
+                    return False
+                if probe is not None and now >= next_probe:
+                    if next_probe:
+                        _check_peers(*probe)
+                    next_probe = now + PROBE_INTERVAL
     return True
 
 
-def _wait_requests(reqs, statuses, deadline: float) -> bool:
+def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
     """Wait for every request; False if the deadline passed first."""
     for i, req in enumerate(reqs):
         status = None if statuses is None else statuses[i]
         if req.Test(status):
             continue
         block = None if type(req) is _MPIRequest else getattr(req, "block_until", None)
-        if block is not None:
-            if not block(deadline, status):
+        if block is None:
+            if not _spin(req, status, deadline, probe):
                 return False
-        elif not _spin(req, status, deadline):
-            return False
+            continue
+        while True:  # a simulated request: wait on its event, probing in between
+            until = deadline if probe is None else min(deadline, time.monotonic() + PROBE_INTERVAL)
+            if block(until, status):
+                break
+            if time.monotonic() >= deadline:
+                return False
+            _check_peers(*probe)
     return True
+
+
+def _check_peers(state, seq: int, op_name: str) -> None:
+    """Raise :class:`_PeerRejected` if a peer rejected collective ``seq`` locally."""
+    ranks = _status.rejected_by(state.participant, state.world_ranks, state.key, seq)
+    if ranks:
+        who = ", ".join(f"rank {r}" for r in ranks)
+        raise _PeerRejected(
+            f"{op_name} (collective #{seq} of a group of {state.size}) cannot complete: "
+            f"{who} rejected its call #{seq} before communicating (the error is raised "
+            "there); MPI cannot cancel this rank's operation, so this backend is unusable. "
+            "End the job with fm.abort()"
+        )
 
 
 def mpi_error(op: str, exc: Exception, expected: int | None = None) -> DistributedError:
@@ -218,6 +315,7 @@ class PendingCollective:
 
     __slots__ = (
         "_done",
+        "_entry",
         "_error",
         "_expected",
         "_finish",
@@ -264,6 +362,7 @@ class PendingCollective:
         self._keep = keep
         self._done = False
         self._error: BaseException | None = None
+        self._entry = state.last
 
     def __repr__(self) -> str:
         status = "completed" if self._done else "pending"
@@ -313,16 +412,22 @@ class PendingCollective:
             raise self._error
         seconds = self._timeout if timeout is None else timeout_seconds(timeout)
         reqs = self._reqs
+        probe = (self._state, self._seq, self.op_name) if self._peer < 0 < self._seq else None
         try:
             if len(reqs) == 1 and self._statuses is None:
                 req = reqs[0]
-                finished = req.Test() or _wait_requests(reqs, None, time.monotonic() + seconds)
+                finished = req.Test() or _wait_requests(
+                    reqs, None, time.monotonic() + seconds, probe
+                )
             else:
-                finished = _wait_requests(reqs, self._statuses, time.monotonic() + seconds)
+                finished = _wait_requests(reqs, self._statuses, time.monotonic() + seconds, probe)
         except MPI.Exception as exc:
             self._fail(mpi_error(self.op_name, exc, self._expected))
         except DistributedError as exc:
             self._fail(exc)
+        except _PeerRejected as exc:
+            self._state.broken = f"this backend is unusable: {exc}"
+            self._fail(DistributedError(str(exc)))
         if not finished:
             self._time_out(seconds)
         self._complete()
@@ -341,12 +446,12 @@ class PendingCollective:
                 self._finish(self._result, self._keep)
             except DistributedError as exc:
                 self._fail(exc)
-        self._state.end()
+        self._state.end(_status.DONE, self._entry)
         self._done = True
         self._reqs = self._statuses = self._keep = self._finish = None
 
     def _fail(self, exc: DistributedError):
-        self._state.end(_status.FAILED)
+        self._state.end(_status.FAILED, self._entry)
         self._error = exc
         _ABANDONED.append((self._reqs, self._result, self._keep))
         raise exc
@@ -370,9 +475,14 @@ class PendingCollective:
             "MPI cannot cancel it, so later operations on this communicator would be "
             "mismatched with the other ranks'. End the job with fm.abort()"
         )
+        state.end(_status.TIMED_OUT, self._entry)
+        try:
+            path = dump_participant(state.participant)
+            details += f" (flight record: {path})"
+        except OSError as exc:
+            details += f" (flight record not written: {exc})"
         error = CollectiveTimeout(seconds, self.op_name, missing, details, where)
         self._error = error
-        state.end(_status.TIMED_OUT)
         _ABANDONED.append((self._reqs, self._result, self._keep))
         raise error
 
@@ -387,13 +497,21 @@ def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=No
     try:
         if not req.Test():
             seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
-            if type(req) is not _MPIRequest or not _spin(req, None, time.monotonic() + seconds):
+            probe = (state, seq, _status.OPS[opcode]) if peer < 0 < seq else None
+            if type(req) is not _MPIRequest or not _spin(
+                req, None, time.monotonic() + seconds, probe
+            ):
                 return PendingCollective(
                     state, opcode, seq, (req,), result, finish, seconds, peer=peer, keep=keep
                 )._wait_rest(seconds)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(_status.OPS[opcode], exc) from None
+    except _PeerRejected as exc:
+        state.broken = f"this backend is unusable: {exc}"
+        state.end(_status.FAILED)
+        _ABANDONED.append(((req,), result, keep))
+        raise DistributedError(str(exc)) from None
     if finish is not None:
         try:
             finish(result, keep)
@@ -401,6 +519,9 @@ def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=No
             state.end(_status.FAILED)
             raise
     rec = state.rec
-    rec[_status.T_END] = time.monotonic_ns()
+    rec[_status.T_END] = now = time.monotonic_ns()
     rec[_status.STATE] = _status.DONE
+    entry = state.last
+    entry[8] = now
+    entry[9] = _status.DONE
     return result

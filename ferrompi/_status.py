@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._flight import FlightRecorder
 from ._mpi import MPI
 
 # Operation codes: positions in this tuple. The tuple is the same in every
@@ -64,7 +65,10 @@ OPCODE = {name: code for code, name in enumerate(OPS)}
 PID, STATE, OP, KEY, SEQ, T_START, T_END, PEER = range(8)
 SLOT0 = 8
 NSLOTS = 32
-SLOT_WORDS = 3  # key, collectives entered, opcode of the last one
+# Per communicator: key, collectives entered, opcode of the last one, and the
+# number of the last collective this rank rejected locally (0: none).
+SLOT_WORDS = 4
+REJECTED = 3
 REC_WORDS = SLOT0 + NSLOTS * SLOT_WORDS
 
 # States.
@@ -126,6 +130,7 @@ class Participant:
         self.row = board.rows[world_rank]
         self.rec = memoryview(self.row)
         self.rec[PID] = pid
+        self.flight = FlightRecorder()
         self._created: dict[tuple[int, ...], int] = {}
         self._next_slot = 0
         self._lock = threading.Lock()
@@ -142,6 +147,7 @@ class Participant:
         rec[slot] = key
         rec[slot + 1] = 0
         rec[slot + 2] = 0
+        rec[slot + REJECTED] = 0
         return key, slot
 
 
@@ -167,6 +173,11 @@ def process_participant(create_board: bool = False) -> Participant:
         return _PROCESS
 
 
+def process_participant_if_any() -> Participant | None:
+    """The participant of this MPI process, or None if ferrompi has not used MPI yet."""
+    return _PROCESS
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True
@@ -181,6 +192,16 @@ def _pid_alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return True
+
+
+def dead_peers(participant: Participant) -> list[tuple[int, int]]:
+    """``(world rank, pid)`` of every other process on the board that has exited."""
+    dead = []
+    for world_rank, row in sorted(participant.board.rows.items()):
+        pid = int(row[PID])
+        if world_rank != participant.world_rank and pid > 0 and not _pid_alive(pid):
+            dead.append((world_rank, pid))
+    return dead
 
 
 def _slot_of(row: np.ndarray, key: int) -> int | None:
@@ -205,6 +226,25 @@ def _describe_activity(row: np.ndarray, key: int, now_ns: int) -> str:
     if state == DONE:
         return f"finished {label} {since:.1f} s ago and has not entered ferrompi since"
     return f"{_STATE_NAMES[state]} in {label} {since:.1f} s ago"
+
+
+def rejected_by(
+    participant: Participant, world_ranks: Sequence[int], key: int, seq: int
+) -> list[int]:
+    """Group ranks whose record says they rejected collective ``seq`` locally.
+
+    Only the records this process can see (its node) are read.
+    """
+    rows = participant.board.rows
+    found = []
+    for local, global_rank in enumerate(world_ranks):
+        row = rows.get(global_rank)
+        if row is None or global_rank == participant.world_rank:
+            continue
+        slot = _slot_of(row, key)
+        if slot is not None and int(row[slot + REJECTED]) == seq:
+            found.append(local)
+    return found
 
 
 def describe_peers(

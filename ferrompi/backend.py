@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _status
+from . import _status, launch
+from ._flight import dump_participant
 from ._mpi import MPI, require_mpi
 from ._progress import CommState, PendingCollective, timeout_seconds
 from ._simcomm import SimComm
@@ -190,7 +191,7 @@ class Backend:
         """
         state = self._state
         opcode = _status.OPCODE[op]
-        seq = state.begin(opcode)
+        seq = state.begin(opcode, timeout=timeout or self._timeout)
         req = state.comm.Ibarrier()
         PendingCollective(state, opcode, seq, (req,), None, None, timeout or self._timeout).wait()
 
@@ -335,7 +336,9 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
 
     Like ``torch.distributed.init_process_group``: call it once on every
     rank. Later calls return the same object. It sets up the status board
-    that lets a timed-out collective say which ranks are missing.
+    that lets a timed-out collective say which ranks are missing, and
+    records how the job was launched (:func:`~ferrompi.launch_info`), logged
+    at debug level on the ``"ferrompi"`` logger.
 
     Parameters
     ----------
@@ -353,6 +356,7 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
         if _WORLD is None:
             _status.process_participant(create_board=True)
             _WORLD = MPIBackend(MPI.COMM_WORLD, timeout=timeout)
+            launch.record(MPI.COMM_WORLD)  # logs how the job was launched (debug level)
         return _WORLD
 
 
@@ -366,7 +370,8 @@ def abort(errorcode: int = 1, backend: Backend | None = None) -> None:
 
     Use it after a :class:`~ferrompi.CollectiveTimeout` when the job cannot
     continue: MPI cannot cancel a collective, so only ending the job frees
-    the ranks still blocked in it. On a simulated backend it fails every
+    the ranks still blocked in it. This rank's flight record is written
+    first (see :func:`~ferrompi.dump_flight_record`). On a simulated backend it fails every
     pending and future operation of the group instead, and raises
     :class:`~ferrompi.DistributedError` in the calling thread (a thread cannot
     end the process the way ``MPI_Abort`` does).
@@ -375,6 +380,13 @@ def abort(errorcode: int = 1, backend: Backend | None = None) -> None:
         backend.comm.Abort(errorcode)
         return
     require_mpi()
+    participant = _status.process_participant_if_any()
+    if participant is not None:
+        try:
+            path = dump_participant(participant)
+            print(f"ferrompi: fm.abort: flight record written to {path}", file=sys.stderr)
+        except OSError as exc:
+            print(f"ferrompi: fm.abort: flight record not written: {exc}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     comm = MPI.COMM_WORLD if backend is None else backend.comm

@@ -58,7 +58,7 @@ PYTEST=("$PY" -m pytest -q --timeout="$TEST_TIMEOUT" --timeout-method=thread)
 
 stage "ruff" "$VENV/bin/ruff" check .
 stage "ruff format" "$VENV/bin/ruff" format --check .
-stage "docs" "$PY" -m sphinx -q -W --keep-going -b html docs docs/_build/html
+stage "docs" "$PY" -m sphinx -E -q -W --keep-going -b html docs docs/_build/html
 stage "pytest (simulated backend)" "${PYTEST[@]}" $PYTEST_ARGS tests
 for n in $MPI_SIZES; do
   stage "pytest under mpiexec -n $n" env MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" \

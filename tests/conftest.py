@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("FERROMPI_TIMEOUT", "30")  # read by ferrompi at import
+# Timeouts dump flight records; keep them out of the working tree.
+os.environ.setdefault("FERROMPI_FLIGHT_DIR", tempfile.mkdtemp(prefix="ferrompi-flight-"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support import Group, set_verdict_comm

@@ -1,0 +1,283 @@
+"""How this job was launched: Slurm (``srun``), ``mpiexec`` or a single process.
+
+:func:`~ferrompi.init` works it out once, collectively, and logs it at debug
+level on the ``"ferrompi"`` logger; :func:`~ferrompi.launch_info` returns it.
+Node-local ranks come from ``Comm.Split_type(COMM_TYPE_SHARED)`` (the ranks
+that share memory with this one), never from environment variables alone:
+``SLURM_LOCALID`` is absent under ``mpiexec`` and wrong when ranks of two
+steps share a node. The Slurm fields are read from the environment Slurm
+gives every task (``SLURM_JOB_ID``, ``SLURM_STEP_ID``, ``SLURM_JOB_NODELIST``,
+``SLURM_TASKS_PER_NODE``, ...) and are ``None`` outside Slurm.
+
+Examples
+--------
+Slurm writes node lists in its compressed form; :func:`expand_nodelist`
+gives the host names:
+
+>>> from ferrompi.launch import expand_nodelist
+>>> expand_nodelist("gpu[01-03,07],login1")
+['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']
+>>> expand_nodelist("rack[1-2]-n[1-2]")
+['rack1-n1', 'rack1-n2', 'rack2-n1', 'rack2-n2']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Mapping
+
+from ._mpi import MPI
+from .errors import InvalidArgument
+
+__all__ = ["LaunchInfo", "launch_info", "expand_nodelist"]
+
+logger = logging.getLogger("ferrompi")
+
+LAUNCHERS = ("slurm", "mpiexec", "single")
+
+# Variables a process manager sets for every rank it starts (MPICH/Hydra and
+# Slurm's PMI-1/PMI-2, PMIx, Open MPI's ORTE/PRRTE).
+_PM_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchInfo:
+    """How the world of this process was started (see :func:`launch_info`).
+
+    Attributes
+    ----------
+    launcher : {"slurm", "mpiexec", "single"}
+        ``"slurm"``: the ranks are the tasks of one Slurm step (``srun``);
+        ``"mpiexec"``: started by an ``mpiexec``/``mpirun`` (also inside a
+        Slurm allocation: the Slurm fields then describe the job around it);
+        ``"single"``: one process started without a launcher (a singleton
+        MPI world).
+    rank, world_size : int
+        This process's rank in ``MPI.COMM_WORLD`` and its size.
+    local_rank, local_size : int
+        Rank and size within the ranks on this node (``Split_type``).
+    node_index, node_count : int
+        Which node this is (numbered by the lowest world rank on it) and how
+        many nodes the world spans.
+    hostname : str
+        This node's host name.
+    slurm_job_id, slurm_step_id : str or None
+        ``SLURM_JOB_ID`` and ``SLURM_STEP_ID`` (``"batch"``-step processes
+        have no step id).
+    slurm_array_job_id, slurm_array_task_id : str or None
+        The array job and this task's index, for job arrays.
+    slurm_nodelist : tuple of str
+        The job's nodes, expanded from ``SLURM_JOB_NODELIST``; empty outside
+        Slurm.
+    slurm_tasks_per_node : str or None
+        ``SLURM_TASKS_PER_NODE`` as Slurm writes it (e.g. ``"4(x2),3"``).
+    slurm_ntasks : int or None
+        ``SLURM_NTASKS``: the tasks the job (or step) asked for.
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    node_index: int
+    node_count: int
+    hostname: str
+    slurm_job_id: str | None = None
+    slurm_step_id: str | None = None
+    slurm_array_job_id: str | None = None
+    slurm_array_task_id: str | None = None
+    slurm_nodelist: tuple[str, ...] = ()
+    slurm_tasks_per_node: str | None = None
+    slurm_ntasks: int | None = None
+
+    def as_dict(self) -> dict:
+        """The fields as a plain dict (JSON-safe)."""
+        d = dataclasses.asdict(self)
+        d["slurm_nodelist"] = list(self.slurm_nodelist)
+        return d
+
+    def describe(self) -> str:
+        """One line for logs, e.g. ``launched by slurm (job 12, step 0, ...)``."""
+        where = f"rank {self.rank} of {self.world_size}, local rank {self.local_rank} of "
+        where += f"{self.local_size} on {self.hostname} (node {self.node_index} of "
+        where += f"{self.node_count})"
+        if self.slurm_job_id is None:
+            return f"launched by {self.launcher}; {where}"
+        job = f"job {self.slurm_job_id}"
+        if self.slurm_array_job_id is not None:
+            job += f" (array {self.slurm_array_job_id}_{self.slurm_array_task_id})"
+        step = self.slurm_step_id if self.slurm_step_id is not None else "batch"
+        nodes = ",".join(self.slurm_nodelist)
+        return (
+            f"launched by {self.launcher} in Slurm {job}, step {step}, nodes {nodes}, "
+            f"tasks per node {self.slurm_tasks_per_node}; {where}"
+        )
+
+
+_BRACKET = re.compile(r"\[([^\]]*)\]")
+
+
+def _expand_one(name: str) -> list[str]:
+    m = _BRACKET.search(name)
+    if m is None:
+        return [name]
+    head, tail = name[: m.start()], name[m.end() :]
+    values = []
+    for part in m.group(1).split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise InvalidArgument(f"expand_nodelist: bad range {part!r} in {name!r}")
+        if not sep:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise InvalidArgument(f"expand_nodelist: range {part!r} in {name!r} is descending")
+        width = len(lo)
+        values.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
+    return [head + v + rest for v in values for rest in _expand_one(tail)]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names of a Slurm node list such as ``"node[01-04,09],gpu7"``.
+
+    Parameters
+    ----------
+    nodelist : str
+        A node list as in ``SLURM_JOB_NODELIST`` or ``scontrol show hostnames``
+        input: comma-separated names, each with any number of bracketed
+        groups of numbers and ``lo-hi`` ranges (zero padding kept).
+
+    Returns
+    -------
+    list of str
+        The names, in Slurm's order.
+
+    Raises
+    ------
+    InvalidArgument
+        On unbalanced brackets or a range that is not ``lo-hi`` with ``lo <= hi``.
+    """
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            names.append(nodelist[start:i])
+            start = i + 1
+        if depth not in (0, 1):
+            raise InvalidArgument(f"expand_nodelist: unbalanced brackets in {nodelist!r}")
+    if depth != 0:
+        raise InvalidArgument(f"expand_nodelist: unbalanced brackets in {nodelist!r}")
+    names.append(nodelist[start:])
+    return [host for name in names if name for host in _expand_one(name)]
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def detect(comm, environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Work out how ``comm``'s processes were launched; collective over ``comm``.
+
+    ``comm`` is normally ``MPI.COMM_WORLD`` (what :func:`~ferrompi.init` passes).
+    """
+    env = os.environ if environ is None else environ
+    rank, size = comm.Get_rank(), comm.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        local_rank, local_size = local.Get_rank(), local.Get_size()
+        leader = int(local_rank == 0)
+        node_count = comm.allreduce(leader, op=MPI.SUM)
+        before = comm.exscan(leader, op=MPI.SUM)  # leaders of lower ranks (None on rank 0)
+        node_index = local.bcast(before or 0, root=0)
+    finally:
+        local.Free()
+    # srun started us when every rank's Slurm task id is its world rank and
+    # the step has exactly the world's tasks; under mpiexec inside a batch
+    # job the ranks all see the batch step's single task.
+    step_tasks = _int_or_none(env.get("SLURM_STEP_NUM_TASKS"))
+    by_srun = (
+        env.get("SLURM_STEP_ID") is not None
+        and env.get("SLURM_PROCID") == str(rank)
+        and step_tasks == size
+    )
+    by_srun = bool(comm.allreduce(int(by_srun), op=MPI.MIN))
+    if by_srun:
+        launcher = "slurm"
+    elif size > 1 or any(v in env for v in _PM_VARIABLES):
+        launcher = "mpiexec"
+    else:
+        launcher = "single"
+    in_slurm = "SLURM_JOB_ID" in env
+    step = env.get("SLURM_STEP_ID") if in_slurm else None
+    return LaunchInfo(
+        launcher=launcher,
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        node_index=node_index,
+        node_count=node_count,
+        hostname=socket.gethostname(),
+        slurm_job_id=env.get("SLURM_JOB_ID"),
+        slurm_step_id=step,
+        slurm_array_job_id=env.get("SLURM_ARRAY_JOB_ID") if in_slurm else None,
+        slurm_array_task_id=env.get("SLURM_ARRAY_TASK_ID") if in_slurm else None,
+        slurm_nodelist=tuple(expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))),
+        slurm_tasks_per_node=env.get("SLURM_TASKS_PER_NODE") if in_slurm else None,
+        slurm_ntasks=_int_or_none(env.get("SLURM_NTASKS")) if in_slurm else None,
+    )
+
+
+_INFO: LaunchInfo | None = None
+_LOCK = threading.Lock()
+
+
+def record(comm) -> LaunchInfo:
+    """Detect and keep the world's launch information, logging it; called by ``init``."""
+    global _INFO
+    with _LOCK:
+        if _INFO is None:
+            _INFO = detect(comm)
+            logger.debug("%s", _INFO.describe())
+        return _INFO
+
+
+def launch_info() -> LaunchInfo:
+    """How this job was launched: launcher, Slurm ids, nodes, world and node-local ranks.
+
+    Computed once by :func:`~ferrompi.init` (collectively: it splits the
+    world by shared memory to find the ranks on this node). If ``init`` has
+    not been called yet, this calls it, so then it is collective too.
+
+    Returns
+    -------
+    LaunchInfo
+        A frozen dataclass; ``.as_dict()`` gives a plain dict.
+
+    Raises
+    ------
+    BackendUnavailable
+        If no MPI library can be loaded.
+
+    Examples
+    --------
+    >>> import ferrompi as fm
+    >>> info = fm.launch_info()
+    >>> info.launcher in ("slurm", "mpiexec", "single")
+    True
+    >>> 0 <= info.local_rank < info.local_size <= info.world_size
+    True
+    """
+    from .backend import init
+
+    init()
+    return record(MPI.COMM_WORLD)
