@@ -61,7 +61,6 @@ __all__ = [
     "reduce_scatter_with_timeout",
     "all_to_all_with_timeout",
     "all_gather_v",
-    "async_all_gather_v",
     "reduce_scatter_v",
     "all_to_all_v",
 ]
@@ -125,7 +124,7 @@ def _allreduce(
         state.fail_before_start(opcode)
         raise
     n = x.size
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=dtype, op=op, timeout=timeout)
     try:
         req = state.comm.Iallreduce(MPI.IN_PLACE if buf is x else [x, n, dt], [buf, n, dt], mop)
     except MPI.Exception as exc:
@@ -238,7 +237,7 @@ def _broadcast(
         state.fail_before_start(opcode)
         raise
     n = x.size
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, root=root, timeout=timeout)
     try:
         if state.rank == root:
             req = state.comm.Ibcast([x, n, dt], root)
@@ -318,7 +317,7 @@ def _all_gather(
         state.fail_before_start(opcode)
         raise
     n = x.size
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
         req = state.comm.Iallgather([x, n, dt], [buf, n, dt])
     except MPI.Exception as exc:
@@ -401,7 +400,7 @@ def _reduce_scatter(
         state.fail_before_start(opcode)
         raise
     count = buf.size
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, op=op, timeout=timeout)
     try:
         req = state.comm.Ireduce_scatter_block([x, count, dt], [buf, count, dt], mop)
     except MPI.Exception as exc:
@@ -500,7 +499,7 @@ def _all_to_all(
         state.fail_before_start(opcode)
         raise
     block = x.size // state.size
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
         req = state.comm.Ialltoall([x, block, dt], [buf, block, dt])
     except MPI.Exception as exc:
@@ -649,7 +648,7 @@ def all_to_all_single_uneven(
     header[2 * size + 1] = ord(x.dtype.char)
     table = np.empty((size, 2 * size + 2), dtype=np.int64)
     hdt = datatype_of(header, name)
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
         req = state.comm.Iallgather([header, header.size, hdt], [table, header.size, hdt])
     except MPI.Exception as exc:
@@ -722,7 +721,7 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, timeout=timeout)
     try:
         req = state.comm.Ibarrier()
     except MPI.Exception as exc:
@@ -743,53 +742,150 @@ def _row_counts(counts, size: int, name: str) -> np.ndarray:
     return counts
 
 
-def all_gather_v(x, counts: Sequence[int], backend: Backend, *, timeout: Timeout = None):
+def all_gather_v(
+    x, counts: Sequence[int] | None, backend: Backend, *, timeout: Timeout = None
+) -> np.ndarray:
     """Concatenate along axis 0 rows of different counts (``Iallgatherv``).
 
-    ``counts[r]`` is the number of rows rank ``r`` contributes; every rank
-    passes the same ``counts``, and ``x.shape[0] == counts[rank]``.
+    ``counts[r]`` is the number of rows rank ``r`` contributes. The ranks
+    first exchange their row counts, row shapes and dtypes (one small
+    all-gather), so a disagreement raises on every rank instead of hanging
+    the others or corrupting their results.
+
+    Parameters
+    ----------
+    x : array_like
+        At least 1-D; this rank's rows. The other axes and the dtype must
+        agree on every rank.
+    counts : sequence of int or None
+        ``world_size`` row counts (the same on every rank), or ``None`` to
+        take them from the exchange.
+    backend : Backend
+        The group.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    numpy.ndarray
+        Every rank's rows, rank 0's first: shape ``(sum(counts), *x.shape[1:])``.
+
+    Raises
+    ------
+    InvalidArgument
+        Before communicating, for a 0-d input or counts of the wrong length
+        or sign; after the exchange, on every rank, when a rank's row count
+        differs from ``counts`` or ranks disagree on the row shape or dtype
+        (the message names each rank and its numbers).
 
     Examples
     --------
     >>> import numpy as np, ferrompi as fm
-    >>> from ferrompi.collectives import all_gather_v
     >>> def f(b):
-    ...     return all_gather_v(np.full(b.rank + 1, b.rank), [1, 2], b)
+    ...     return fm.all_gather_v(np.full(b.rank + 1, b.rank), [1, 2], b)
     >>> fm.SimulatedBackend.run(2, f)[0]
     array([0, 1, 1])
     """
-    return _all_gather_v(x, counts, backend, timeout, True)
+    state = backend._state
+    opcode = _OP["all_gather_v"]
+    name = "all_gather_v"
+    size = state.size
+    try:
+        timeout = timeout_seconds(timeout, backend._timeout)
+        x = as_input(x, name)
+        datatype_of(x, name)
+        if x.ndim == 0:
+            raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 of rows")
+        given = None if counts is None else _row_counts(counts, size, name)
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    # header: rows, elements per row, dtype, ndim, then this rank's counts (-1: none given)
+    header = np.full(4 + size, -1, dtype=np.int64)
+    header[0] = x.shape[0]
+    header[1] = int(np.prod(x.shape[1:], dtype=np.int64))
+    header[2] = ord(x.dtype.char)
+    header[3] = x.ndim
+    if given is not None:
+        header[4:] = given
+    table = np.empty((size, header.size), dtype=np.int64)
+    hdt = datatype_of(header, name)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
+    try:
+        req = state.comm.Iallgather([header, header.size, hdt], [table, header.size, hdt])
+    except MPI.Exception as exc:
+        state.end(_status.FAILED)
+        raise mpi_error(name, exc) from None
+    PendingCollective(state, opcode, seq, (req,), table, None, timeout).wait()
+    problems = _gather_problems(table)
+    if problems:
+        state.end(_status.FAILED)
+        raise InvalidArgument(f"{name}: the ranks' rows do not fit: " + "; ".join(problems))
+    return _start_all_gather_v(state, opcode, seq, x, table[:, 0], timeout, True)
 
 
-def async_all_gather_v(
-    x, counts: Sequence[int], backend: Backend, *, timeout: Timeout = None
-) -> PendingCollective:
-    """Start :func:`all_gather_v`; ``.wait()`` returns the array (FSDP's prefetch)."""
-    return _all_gather_v(x, counts, backend, timeout, False)
+def _gather_problems(table: np.ndarray) -> list[str]:
+    """Every disagreement in the gathered all_gather_v headers, the same on every rank."""
+    rows, row, dtypes, ndims = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+    if (row != row[0]).any() or (dtypes != dtypes[0]).any() or (ndims != ndims[0]).any():
+        each = ", ".join(
+            f"rank {r}: {int(ndims[r])}-d, {int(row[r])} elements of {np.dtype(chr(dtypes[r]))}"
+            for r in range(len(table))
+        )
+        return [f"ranks disagree on the row shape or dtype (rows of {each})"]
+    problems = []
+    for r, claimed in enumerate(table[:, 4:]):
+        if claimed[0] < 0:
+            continue
+        wrong = [j for j in range(len(table)) if claimed[j] != rows[j]]
+        if wrong:
+            problems.append(
+                f"rank {r} passed counts {claimed.tolist()}, but the ranks hold "
+                f"{rows.tolist()} rows"
+            )
+    return problems
 
 
-def _all_gather_v(x, counts, backend: Backend, timeout, blocking: bool):
+def gather_rows(
+    x: np.ndarray, counts, backend: Backend, timeout: Timeout = None, blocking: bool = True
+):
+    """:func:`all_gather_v` without the exchange, for callers whose counts are derived
+    from shared metadata (DTensor, FSDP, checkpoints): one ``Iallgatherv``.
+
+    ``blocking=False`` returns the :class:`PendingCollective` (FSDP's prefetch).
+    Every rank must pass the same ``counts`` with ``x.shape[0] == counts[rank]``;
+    a rank whose rows do not match raises :class:`InvalidArgument` locally.
+    """
     state = backend._state
     opcode = _OP["all_gather_v"]
     name = "all_gather_v"
     try:
         timeout = timeout_seconds(timeout, backend._timeout)
         x = as_input(x, name)
-        dt = datatype_of(x, name)
         counts = _row_counts(counts, state.size, name)
         if x.ndim == 0 or x.shape[0] != counts[state.rank]:
             raise InvalidArgument(
                 f"{name}: this rank has {x.shape[0] if x.ndim else 0} rows, counts say "
                 f"{int(counts[state.rank])}"
             )
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        result = np.empty((int(counts.sum()), *x.shape[1:]), x.dtype)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
+    return _start_all_gather_v(state, opcode, seq, x, counts, timeout, blocking)
+
+
+def _start_all_gather_v(state, opcode, seq, x, counts, timeout, blocking: bool):
+    name = "all_gather_v"
+    try:
+        dt = datatype_of(x, name)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        result = np.empty((int(counts.sum()), *x.shape[1:]), x.dtype)
+    except FerrompiError:
+        state.end(_status.FAILED)
+        raise
     rcounts = counts * row
     displs = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
-    seq = state.begin(opcode)
     try:
         req = state.comm.Iallgatherv([x, x.size, dt], [result, (rcounts, displs), dt])
     except MPI.Exception as exc:
@@ -840,7 +936,7 @@ def reduce_scatter_v(
         state.fail_before_start(opcode)
         raise
     rcounts = counts * row
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, op=op, timeout=timeout)
     try:
         req = state.comm.Ireduce_scatter([x, x.size, dt], [result, result.size, dt], rcounts, mop)
     except MPI.Exception as exc:
@@ -858,12 +954,31 @@ def all_to_all_v(
     backend: Backend,
     *,
     timeout: Timeout = None,
-):
-    """All-to-all of rows with counts the caller already knows agree (``Ialltoallv``).
+) -> np.ndarray:
+    """All-to-all of rows with both count tables given (``Ialltoallv``).
 
-    Unlike :func:`all_to_all_single_uneven` there is no table exchange: use it
-    only when every rank computes the same split table (DTensor does, from
-    the global shape).
+    :func:`all_to_all_single_uneven` with ``recv_splits`` given, under the
+    name of the MPI call: the ranks exchange their tables first, so counts
+    that disagree raise :class:`InvalidArgument` on every rank.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     send, recv = ([1, 1], [1, 2]) if b.rank == 0 else ([2, 0], [1, 0])
+    ...     return fm.all_to_all_v(np.arange(2) + 10 * b.rank, send, recv, b)
+    >>> fm.SimulatedBackend.run(2, f)
+    [array([ 0, 10, 11]), array([1])]
+    """
+    return all_to_all_single_uneven(x, send_counts, recv_counts, backend, timeout=timeout)
+
+
+def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout = None):
+    """:func:`all_to_all_v` without the table exchange, for callers whose tables are
+    derived from shared metadata (DTensor): one ``Ialltoallv``.
+
+    Every rank must compute the same table; only what one rank can see is
+    checked (its send counts against its rows, and what it sends itself).
     """
     state = backend._state
     opcode = _OP["all_to_all_v"]
@@ -872,12 +987,17 @@ def all_to_all_v(
         timeout = timeout_seconds(timeout, backend._timeout)
         x = as_input(x, name)
         dt = datatype_of(x, name)
-        send = _row_counts(send_counts, state.size, name)
-        recv = _row_counts(recv_counts, state.size, name)
+        send = _row_counts(send, state.size, name)
+        recv = _row_counts(recv, state.size, name)
         if x.ndim == 0 or x.shape[0] != int(send.sum()):
             raise InvalidArgument(
-                f"{name}: send_counts sum to {int(send.sum())} rows but the input has "
+                f"{name}: send counts sum to {int(send.sum())} rows but the input has "
                 f"{x.shape[0] if x.ndim else 0}"
+            )
+        if send[state.rank] != recv[state.rank]:
+            raise InvalidArgument(
+                f"{name}: rank {state.rank} sends itself {int(send[state.rank])} rows but "
+                f"expects {int(recv[state.rank])}"
             )
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         result = np.empty((int(recv.sum()), *x.shape[1:]), x.dtype)
@@ -887,7 +1007,7 @@ def all_to_all_v(
     scounts, rcounts = send * row, recv * row
     sdispls = np.concatenate(([0], np.cumsum(scounts)[:-1]))
     rdispls = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
-    seq = state.begin(opcode)
+    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
         req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [result, (rcounts, rdispls), dt])
     except MPI.Exception as exc:

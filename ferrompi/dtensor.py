@@ -21,7 +21,7 @@ transition here moves the data:
 transition (one mesh dim)   communication within that dimension's group
 ==========================  =============================================
 Shard(i) -> Replicate       all_gather_v along tensor dim i
-Shard(i) -> Shard(j)        all_to_all_v (one exchange)
+Shard(i) -> Shard(j)        all_to_all_v (one Ialltoallv)
 Replicate -> Shard(i)       none: keep the local chunk
 Partial -> Replicate        allreduce
 Partial -> Shard(i)         reduce_scatter_v along tensor dim i
@@ -380,7 +380,7 @@ class DTensor:
         d = placements[m].dim
         counts = [b - a for a, b in (r[d] for r in self._member_ranges(placements, m, coords))]
         moved = np.moveaxis(local, d, 0)
-        gathered = collectives.all_gather_v(moved, counts, self._mesh.get_group(m))
+        gathered = collectives.gather_rows(moved, counts, self._mesh.get_group(m))
         return np.ascontiguousarray(np.moveaxis(gathered, 0, d))
 
     def _shard_to_shard(self, local: np.ndarray, m: int, j: int, coords) -> np.ndarray:
@@ -407,7 +407,7 @@ class DTensor:
             shape[j] = after[me][j][1] - after[me][j][0]
             recv_shapes.append(tuple(shape))
         recv_counts = [math.prod(s) for s in recv_shapes]
-        flat = collectives.all_to_all_v(
+        flat = collectives.exchange_rows(
             np.concatenate(pieces) if pieces else local.reshape(-1)[:0],
             send_counts,
             recv_counts,

@@ -443,3 +443,61 @@ def test_unsupported_dtype_error_names_the_operation():
     with pytest.raises(fm.InvalidArgument, match=r"^allreduce: dtype <U1") as info:
         fm.allreduce(np.array(["a"]), b)
     assert str(info.value).split(", ").count("int64") == 1
+
+
+def _gather_v(b, wrong: bool, given: bool):
+    n, r = b.world_size, b.rank
+    x = rank_data(r, (r % 3, 2), np.int32, seed=7)
+    counts = [j % 3 for j in range(n)]
+    if wrong:
+        counts[-1] += 1  # every rank passes the same wrong table
+    try:
+        got = fm.all_gather_v(x, counts if given else None, b, timeout=10)
+    except fm.InvalidArgument as exc:
+        return str(exc)
+    want = np.concatenate([rank_data(j, (j % 3, 2), np.int32, seed=7) for j in range(n)])
+    np.testing.assert_array_equal(got, want)
+    return None
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["counts", "exchanged"])
+def test_all_gather_v(group, given):
+    assert set(group.run(_gather_v, False, given)) == {None}
+
+
+def test_all_gather_v_wrong_counts_raise_on_every_rank(group):
+    # Only the last rank could see the mismatch locally; the count exchange
+    # makes every rank raise, naming the counts, instead of leaving the others
+    # waiting for a rank that rejected its call.
+    n = group.size
+    for message in group.run(_gather_v, True, True):
+        assert message is not None and f"ranks hold {[j % 3 for j in range(n)]} rows" in message
+
+
+def _to_all_v(b, wrong: bool):
+    n, r = b.world_size, b.rank
+    send = [(r + j) % 3 for j in range(n)]
+    recv = [(j + r) % 3 for j in range(n)]
+    if wrong:
+        recv[0] += 1
+    x = np.arange(sum(send), dtype=np.float32) + 100 * r
+    try:
+        got = fm.all_to_all_v(x, send, recv, b, timeout=10)
+    except fm.InvalidArgument as exc:
+        return str(exc)
+    pieces = []
+    for j in range(n):
+        sj = [(j + k) % 3 for k in range(n)]
+        start = sum(sj[:r])
+        pieces.append(np.arange(start, start + sj[r], dtype=np.float32) + 100 * j)
+    np.testing.assert_array_equal(got, np.concatenate(pieces))
+    return None
+
+
+def test_all_to_all_v(group):
+    assert set(group.run(_to_all_v, False)) == {None}
+
+
+def test_all_to_all_v_wrong_counts_raise_on_every_rank(group):
+    for message in group.run(_to_all_v, True):
+        assert message is not None and "which expects" in message

@@ -6,7 +6,8 @@ into one vector, split across the ranks by torch's chunk rule (uneven sizes
 allowed). A rank keeps only its shard of every unit, the gradient of that
 shard and the optimizer state for it. Then, per unit:
 
-* forward: ``all_gather_v`` the unit's parameters just before the layer runs
+* forward: gather the unit's parameters (one ``Iallgatherv``; the counts
+  come from the sharding, so no count exchange) just before the layer runs
   (with ``forward_prefetch``, the next unit's gather is started first, so it
   overlaps with this layer's computation), run the layer, free the gathered
   parameters (``FULL_SHARD``);
@@ -234,8 +235,8 @@ class FullyShardedDataParallel:
         if self.shard_group is None:
             unit.gathered = self.shards[key]
             return
-        unit.pending = collectives.async_all_gather_v(
-            self.shards[key], unit.counts, self.shard_group
+        unit.pending = collectives.gather_rows(
+            self.shards[key], unit.counts, self.shard_group, blocking=False
         )
 
     def _materialize(self, key: str) -> dict[str, np.ndarray]:
@@ -324,7 +325,7 @@ class FullyShardedDataParallel:
             flat = (
                 self.shards[key]
                 if self.shard_group is None
-                else collectives.all_gather_v(self.shards[key], unit.counts, self.shard_group)
+                else collectives.gather_rows(self.shards[key], unit.counts, self.shard_group)
             )
             out.update({n: v.copy() for n, v in unit.views(flat, full_names=True).items()})
         return out
