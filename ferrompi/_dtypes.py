@@ -12,7 +12,7 @@ from ._mpi import MPI
 from .errors import InvalidArgument, UnsupportedOp
 from .ops import ReduceOp
 
-__all__ = ["mpi_datatype", "mpi_op", "SUPPORTED_DTYPES"]
+__all__ = ["mpi_datatype", "mpi_op", "reduction", "SUPPORTED_DTYPES"]
 
 #: Type characters of the dtypes numpy and MPI share (MPI predefined datatypes).
 _CODES = "?bBhHiIlLqQefdgFDG"
@@ -106,3 +106,27 @@ def mpi_op(op: ReduceOp, dtype: np.dtype) -> tuple[object, bool]:
     result = (getattr(MPI, name), op is ReduceOp.MEAN)
     _OP_CACHE[key] = result
     return result
+
+
+# Keyed by (id(op), dtype): ReduceOp members live for the whole process, and
+# hashing an Enum member runs Python code; only valid ReduceOps are stored.
+_REDUCTIONS: dict[tuple[int, np.dtype], tuple[object, object, bool]] = {}
+
+
+def reduction(op: ReduceOp, dtype: np.dtype, name: str) -> tuple[object, object, bool]:
+    """``(mpi_datatype, mpi_op, is_mean)`` for collective ``name`` reducing ``dtype`` with ``op``.
+
+    One cached lookup for the hot path; on a miss, the errors of
+    :func:`mpi_datatype` (prefixed with ``name``) and :func:`mpi_op`.
+    """
+    try:
+        return _REDUCTIONS[id(op), dtype]
+    except KeyError:
+        pass
+    try:
+        dt = mpi_datatype(dtype)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
+    mop, mean = mpi_op(op, dtype)
+    _REDUCTIONS[id(op), dtype] = entry = (dt, mop, mean)
+    return entry

@@ -30,6 +30,8 @@ import os
 import time
 from datetime import timedelta
 
+import numpy as np
+
 from . import _status, debug
 from ._flight import dump_participant
 from ._mpi import MPI
@@ -93,6 +95,17 @@ def default_seconds() -> float:
         raise InvalidArgument(f"FERROMPI_TIMEOUT must be positive seconds, got {text!r}") from None
 
 
+# Status-board words and states, as module constants for the hot path.
+_W_OP, _W_KEY, _W_SEQ = _status.OP, _status.KEY, _status.SEQ
+_W_PEER, _W_STATE, _W_T_START, _W_T_END = (
+    _status.PEER,
+    _status.STATE,
+    _status.T_START,
+    _status.T_END,
+)
+_ACTIVE, _DONE = _status.ACTIVE, _status.DONE
+_monotonic_ns = time.monotonic_ns
+
 # Buffers of operations that timed out. MPI cannot cancel a collective, so it
 # may still write into them; they are kept alive until the process ends.
 _ABANDONED: list[object] = []
@@ -110,12 +123,14 @@ class CommState:
         "broken",
         "comm",
         "flight",
+        "fusion",
         "key",
         "last",
         "participant",
         "rank",
         "rec",
         "seq",
+        "shm",
         "size",
         "slot",
         "timeout",
@@ -135,6 +150,15 @@ class CommState:
         self.broken: str | None = None
         self.flight = participant.flight.ring
         self.last: list | None = None
+        self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
+        self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
+
+    def fusion_buffer(self, dtype, count: int):
+        """A reused 1-D buffer of ``count`` elements of ``dtype`` (grown, never shrunk)."""
+        buf = self.fusion.get(dtype)
+        if buf is None or buf.size < count:
+            self.fusion[dtype] = buf = np.empty(count, dtype)
+        return buf[:count]
 
     def begin(
         self,
@@ -145,37 +169,36 @@ class CommState:
         op=None,
         root: int = -1,
         timeout: float | None = None,
+        rejected: bool = False,
     ) -> int:
         """Record the start of an operation; collectives (``peer < 0``) get a number.
 
         Writes the status board and appends a flight-recorder entry (``last``).
         In debug mode (:mod:`ferrompi.debug`), a collective first checks that
         every rank called the same one with the same ``shape``, ``dtype``,
-        reduction ``op`` and ``root``.
+        reduction ``op`` and ``root`` (a ``rejected`` call takes part, flagged).
         """
-        seq = self._start(opcode, peer, shape, dtype)
-        if debug.ENABLED and peer < 0:
-            debug.check(self, debug.header(opcode, seq, shape, dtype, op, root), timeout)
-        return seq
-
-    def _start(self, opcode: int, peer: int, shape, dtype) -> int:
         if self.broken is not None:
             raise DistributedError(self.broken)
         rec = self.rec
         if peer < 0:
             self.seq = seq = self.seq + 1
-            rec[self.slot + 1] = seq
-            rec[self.slot + 2] = opcode
+            slot = self.slot
+            rec[slot + 1] = seq
+            rec[slot + 2] = opcode
         else:
             seq = 0
-        rec[_status.OP] = opcode
-        rec[_status.KEY] = self.key
-        rec[_status.SEQ] = seq
-        rec[_status.PEER] = peer
-        rec[_status.T_START] = now = time.monotonic_ns()
-        rec[_status.STATE] = _status.ACTIVE
+        rec[_W_OP] = opcode
+        rec[_W_KEY] = self.key
+        rec[_W_SEQ] = seq
+        rec[_W_PEER] = peer
+        rec[_W_T_START] = now = _monotonic_ns()
+        rec[_W_STATE] = _ACTIVE
         self.last = entry = [seq, opcode, self.key, self.size, shape, dtype, peer, now, 0, 1]
         self.flight.append(entry)
+        if debug.ENABLED and peer < 0:
+            header = debug.header(opcode, seq, shape, dtype, op, root, rejected)
+            debug.check(self, header, timeout)
         return seq
 
     def end(self, state: int = _status.DONE, entry: list | None = None) -> None:
@@ -196,11 +219,10 @@ class CommState:
         rec = self.rec
         if opcode not in _POINT_TO_POINT and self.broken is None:
             if debug.ENABLED:
-                seq = self._start(opcode, -1, None, None)
                 try:
-                    debug.check(self, debug.header(opcode, seq, rejected=True))
+                    seq = self.begin(opcode, rejected=True)
                 except DistributedError:
-                    pass  # the caller raises its own, more precise error
+                    seq = self.seq  # the caller raises its own, more precise error
             else:
                 # The number is not consumed: MPI would match this rank's next
                 # collective with the one its peers started.
@@ -224,7 +246,7 @@ _POINT_TO_POINT = frozenset(
 PROBE_INTERVAL = 0.01
 
 
-class _PeerRejected(Exception):
+class PeerRejected(Exception):
     """Raised by a wait's probe: a peer rejected this collective locally."""
 
 
@@ -233,7 +255,7 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
 
     ``probe``, if given, is ``(state, seq, op_name)`` of a collective: every
     :data:`PROBE_INTERVAL` seconds, once the wait has lasted that long, the
-    status board is read for a peer that rejected it (:func:`_check_peers`).
+    status board is read for a peer that rejected it (:func:`check_peers`).
     """
     test = req.Test
     monotonic = time.monotonic
@@ -249,7 +271,7 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
                     return False
                 if probe is not None and now >= next_probe:
                     if next_probe:
-                        _check_peers(*probe)
+                        check_peers(*probe)
                     next_probe = now + PROBE_INTERVAL
     return True
 
@@ -271,16 +293,16 @@ def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
                 break
             if time.monotonic() >= deadline:
                 return False
-            _check_peers(*probe)
+            check_peers(*probe)
     return True
 
 
-def _check_peers(state, seq: int, op_name: str) -> None:
-    """Raise :class:`_PeerRejected` if a peer rejected collective ``seq`` locally."""
+def check_peers(state, seq: int, op_name: str) -> None:
+    """Raise :class:`PeerRejected` if a peer rejected collective ``seq`` locally."""
     ranks = _status.rejected_by(state.participant, state.world_ranks, state.key, seq)
     if ranks:
         who = ", ".join(f"rank {r}" for r in ranks)
-        raise _PeerRejected(
+        raise PeerRejected(
             f"{op_name} (collective #{seq} of a group of {state.size}) cannot complete: "
             f"{who} rejected its call #{seq} before communicating (the error is raised "
             "there); MPI cannot cancel this rank's operation, so this backend is unusable. "
@@ -425,9 +447,10 @@ class PendingCollective:
             self._fail(mpi_error(self.op_name, exc, self._expected))
         except DistributedError as exc:
             self._fail(exc)
-        except _PeerRejected as exc:
-            self._state.broken = f"this backend is unusable: {exc}"
-            self._fail(DistributedError(str(exc)))
+        except PeerRejected as exc:
+            self._error = error = rejection_error(self._state, exc, self._entry)
+            _ABANDONED.append((self._reqs, self._result, self._keep))
+            raise error from None
         if not finished:
             self._time_out(seconds)
         self._complete()
@@ -457,34 +480,65 @@ class PendingCollective:
         raise exc
 
     def _time_out(self, seconds: float):
-        state = self._state
-        if self._peer >= 0:
-            missing, details = _status.describe_peers(
-                state.participant, state.world_ranks, state.key, 0, self._opcode, [self._peer]
-            )
-            where = f"with rank {self._peer}"
-        else:
-            missing, details = _status.describe_peers(
-                state.participant, state.world_ranks, state.key, self._seq, self._opcode
-            )
-            where = f"(collective #{self._seq} of a group of {state.size})"
-        if self._peer < 0 and not missing:
-            details = "every other rank reached it" + (f"; {details}" if details else "")
-        state.broken = (
-            f"this backend is unusable: {self.op_name} {where} timed out after {seconds:g} s; "
-            "MPI cannot cancel it, so later operations on this communicator would be "
-            "mismatched with the other ranks'. End the job with fm.abort()"
+        error = timeout_error(
+            self._state, self._opcode, self._seq, seconds, self._peer, self._entry, self.op_name
         )
-        state.end(_status.TIMED_OUT, self._entry)
-        try:
-            path = dump_participant(state.participant)
-            details += f" (flight record: {path})"
-        except OSError as exc:
-            details += f" (flight record not written: {exc})"
-        error = CollectiveTimeout(seconds, self.op_name, missing, details, where)
         self._error = error
         _ABANDONED.append((self._reqs, self._result, self._keep))
         raise error
+
+
+def timeout_error(
+    state: CommState,
+    opcode: int,
+    seq: int,
+    seconds: float,
+    peer: int = -1,
+    entry: list | None = None,
+    op_name: str | None = None,
+    extra: str = "",
+) -> CollectiveTimeout:
+    """The :class:`CollectiveTimeout` of operation ``seq``; marks the backend broken.
+
+    Says which ranks had not arrived and what they were doing (the status
+    board), and writes this rank's flight record. ``extra`` is appended to
+    the details.
+    """
+    op_name = op_name or _status.OPS[opcode]
+    if peer >= 0:
+        missing, details = _status.describe_peers(
+            state.participant, state.world_ranks, state.key, 0, opcode, [peer]
+        )
+        where = f"with rank {peer}"
+    else:
+        missing, details = _status.describe_peers(
+            state.participant, state.world_ranks, state.key, seq, opcode
+        )
+        where = f"(collective #{seq} of a group of {state.size})"
+    if peer < 0 and not missing:
+        details = "every other rank reached it" + (f"; {details}" if details else "")
+    details += extra
+    state.broken = (
+        f"this backend is unusable: {op_name} {where} timed out after {seconds:g} s; "
+        "MPI cannot cancel it, so later operations on this communicator would be "
+        "mismatched with the other ranks'. End the job with fm.abort()"
+    )
+    state.end(_status.TIMED_OUT, entry)
+    try:
+        path = dump_participant(state.participant)
+        details += f" (flight record: {path})"
+    except OSError as exc:
+        details += f" (flight record not written: {exc})"
+    return CollectiveTimeout(seconds, op_name, missing, details, where)
+
+
+def rejection_error(
+    state: CommState, exc: PeerRejected, entry: list | None = None
+) -> DistributedError:
+    """The error of a collective whose peer rejected it locally; marks the backend broken."""
+    state.broken = f"this backend is unusable: {exc}"
+    state.end(_status.FAILED, entry)
+    return DistributedError(str(exc))
 
 
 def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=None, peer=-1):
@@ -507,11 +561,9 @@ def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=No
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(_status.OPS[opcode], exc) from None
-    except _PeerRejected as exc:
-        state.broken = f"this backend is unusable: {exc}"
-        state.end(_status.FAILED)
+    except PeerRejected as exc:
         _ABANDONED.append(((req,), result, keep))
-        raise DistributedError(str(exc)) from None
+        raise rejection_error(state, exc) from None
     if finish is not None:
         try:
             finish(result, keep)
@@ -519,9 +571,9 @@ def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=No
             state.end(_status.FAILED)
             raise
     rec = state.rec
-    rec[_status.T_END] = now = time.monotonic_ns()
-    rec[_status.STATE] = _status.DONE
+    rec[_W_T_END] = now = _monotonic_ns()
+    rec[_W_STATE] = _DONE
     entry = state.last
     entry[8] = now
-    entry[9] = _status.DONE
+    entry[9] = _DONE
     return result

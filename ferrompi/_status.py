@@ -58,6 +58,7 @@ OPS: tuple[str, ...] = (
     "all_to_all_v",
     "allreduce_coalesced",
     "gather_object",
+    "shm_setup",
 )
 OPCODE = {name: code for code, name in enumerate(OPS)}
 

@@ -28,16 +28,27 @@ Examples
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 
 import numpy as np
 
-from . import _status
+from . import _shm, _status
 from ._arrays import as_input, check_rank, datatype_of, output
-from ._dtypes import mpi_op
+from ._dtypes import mpi_op, reduction
 from ._mpi import MPI
-from ._progress import PendingCollective, complete, mpi_error, timeout_seconds
+from ._progress import (
+    PeerRejected,
+    PendingCollective,
+    check_peers,
+    complete,
+    mpi_error,
+    rejection_error,
+    timeout_error,
+    timeout_seconds,
+)
+from ._simcomm import SimComm
 from .backend import Backend
 from .errors import FerrompiError, InvalidArgument
 from .ops import ReduceOp
@@ -63,11 +74,13 @@ __all__ = [
     "all_gather_v",
     "reduce_scatter_v",
     "all_to_all_v",
+    "allreduce_coalesced",
 ]
 
 Timeout = float | timedelta | None
 
 _OP = _status.OPCODE
+_ndarray = np.ndarray
 
 
 def _finish_output(result: np.ndarray, keep: tuple) -> None:
@@ -103,6 +116,59 @@ def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np
     return x
 
 
+def _node_engine(backend: Backend, timeout: float) -> _shm.NodeEngine | None:
+    """The backend's shared-memory engine, built at first use (collective), or None.
+
+    Every rank takes the same decision: the same message size against the
+    same thresholds (``FERROMPI_SHM*`` must be set alike on every rank).
+    """
+    state = backend._state
+    engine = state.shm
+    if _shm.CONFIG_ERROR:
+        raise InvalidArgument(_shm.CONFIG_ERROR)
+    if engine is None:
+        if type(state.comm) is SimComm or state.size == 1 or not _shm.enabled():
+            engine = False
+        else:
+            backend.gather_arrival("shm_setup", timeout)
+            engine = _shm.NodeEngine.create(state.comm) or False
+        state.shm = engine
+    return engine or None
+
+
+def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
+    """Run ``run(deadline, probe)`` (a node-engine method) as collective ``seq``.
+
+    A peer that does not progress in time gives :class:`CollectiveTimeout`
+    (with the engine's round counters), one that rejected the call locally
+    a :class:`DistributedError`, as every other wait does.
+    """
+    op_name = _status.OPS[opcode]
+
+    def probe():
+        check_peers(state, seq, op_name)
+
+    try:
+        run(time.monotonic() + timeout, probe)
+    except _shm.PeerWait:
+        extra = f"; shared-memory rounds: {_shm.describe_round(state.shm)}"
+        raise timeout_error(state, opcode, seq, timeout, extra=extra) from None
+    except PeerRejected as exc:
+        raise rejection_error(state, exc) from None
+    except MPI.Exception as exc:  # the inter-node step
+        state.end(_status.FAILED)
+        raise mpi_error(op_name, exc) from None
+
+
+def _done_on_node(state, result, buf, divisor: int):
+    if divisor:
+        np.true_divide(buf, divisor, out=buf, casting="unsafe")
+    if buf is not result:
+        np.copyto(result, buf)
+    state.end(_status.DONE)
+    return result
+
+
 # ---------------------------------------------------------------------------
 # allreduce
 # ---------------------------------------------------------------------------
@@ -113,36 +179,36 @@ def _allreduce(
 ) -> PendingCollective | np.ndarray:
     state = backend._state
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
-        x = as_input(x, _status.OPS[opcode])
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
+        if type(x) is not _ndarray or not x.flags.c_contiguous or not x.dtype.isnative:
+            x = as_input(x, _status.OPS[opcode])
         dtype = x.dtype
-        dt = datatype_of(x, _status.OPS[opcode])
-        mop, mean = mpi_op(op, dtype)
-        result, buf = output(out, x.shape, dtype, _status.OPS[opcode])
-        x = _separate(x, buf, out, in_place=True)
+        dt, mop, mean = reduction(op, dtype, _status.OPS[opcode])
+        if out is None:
+            result = buf = np.empty(x.shape, dtype)
+        else:
+            result, buf = output(out, x.shape, dtype, _status.OPS[opcode])
+            x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     n = x.size
-    seq = state.begin(opcode, shape=x.shape, dtype=dtype, op=op, timeout=timeout)
+    divisor = state.size if mean else 0
+    if blocking and x.nbytes >= _shm.LIMITS["allreduce"]:
+        engine = _node_engine(backend, timeout)
+        if engine is not None:
+            seq = state.begin(opcode, -1, x.shape, dtype, op, -1, timeout)
+            _on_node(state, opcode, seq, lambda d, p: engine.allreduce(x, buf, mop, d, p), timeout)
+            return _done_on_node(state, result, buf, divisor)
+    seq = state.begin(opcode, -1, x.shape, dtype, op, -1, timeout)
     try:
         req = state.comm.Iallreduce(MPI.IN_PLACE if buf is x else [x, n, dt], [buf, n, dt], mop)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(_status.OPS[opcode], exc) from None
-    return _conclude(
-        blocking,
-        state,
-        opcode,
-        seq,
-        req,
-        result,
-        buf,
-        state.size if mean else 0,
-        x,
-        timeout,
-        backend,
-    )
+    if blocking and buf is result and not divisor:
+        return complete(state, opcode, seq, req, result, None, x, timeout)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout, backend)
 
 
 def allreduce(
@@ -214,6 +280,100 @@ def allreduce_with_timeout(
 ) -> np.ndarray:
     """:func:`allreduce` with the timeout as a positional argument (the reference's name)."""
     return allreduce(x, backend, op, out=out, timeout=timeout)
+
+
+def allreduce_coalesced(
+    arrays: Sequence,
+    backend: Backend,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    out: Sequence[np.ndarray] | None = None,
+    timeout: Timeout = None,
+) -> list[np.ndarray]:
+    """Reduce many arrays with one fused :func:`allreduce` per dtype.
+
+    ``torch.distributed.all_reduce_coalesced``; Horovod calls it tensor
+    fusion. The arrays of each dtype are packed into one buffer (kept by the
+    backend and reused by later calls: one per dtype, the size of the largest
+    call), reduced with one collective, and unpacked. For many small arrays
+    this replaces one latency per array with one per dtype.
+
+    Parameters
+    ----------
+    arrays : sequence of array_like
+        This rank's arrays; the same shapes and dtypes, in the same order, on
+        every rank.
+    backend : Backend
+        The group.
+    op : ReduceOp
+        The reduction (default SUM), applied to every array.
+    out : sequence of numpy.ndarray, optional
+        Where to write each result (one per array, its shape and dtype);
+        ``out=arrays`` reduces in place.
+    timeout : float or datetime.timedelta, optional
+        Deadline for the whole call.
+
+    Returns
+    -------
+    list of numpy.ndarray
+        The reductions, in the order of ``arrays``.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``arrays`` is not a sequence of arrays, or ``out`` does not match it.
+    UnsupportedOp
+        If ``op`` is not defined for one of the dtypes.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     return fm.allreduce_coalesced([np.ones(2), np.arange(3), np.full((1, 2), 0.5)], b)
+    >>> fm.SimulatedBackend.run(2, f)[0]
+    [array([2., 2.]), array([0, 2, 4]), array([[1., 1.]])]
+    """
+    state = backend._state
+    name = "allreduce_coalesced"
+    opcode = _OP[name]
+    try:
+        seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
+        if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
+            raise InvalidArgument(f"{name}: arrays must be a list or tuple of arrays")
+        xs = [as_input(a, name) for a in arrays]
+        for x in xs:
+            reduction(op, x.dtype, name)
+        if out is None:
+            results = [np.empty(x.shape, x.dtype) for x in xs]
+        else:
+            if isinstance(out, np.ndarray) or len(out) != len(xs):
+                raise InvalidArgument(
+                    f"{name}: out must be a sequence of {len(xs)} arrays, one per input"
+                )
+            results = [output(o, x.shape, x.dtype, name)[0] for o, x in zip(out, xs, strict=True)]
+    except FerrompiError:
+        state.fail_before_start(opcode)
+        raise
+    deadline = time.monotonic() + seconds
+    groups: dict[np.dtype, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(x.dtype, []).append(i)
+    for dtype, members in groups.items():
+        total = sum(xs[i].size for i in members)
+        fused = state.fusion_buffer(dtype, total)
+        offset = 0
+        for i in members:
+            n = xs[i].size
+            fused[offset : offset + n] = xs[i].reshape(-1)
+            offset += n
+        remaining = max(deadline - time.monotonic(), 1e-3)
+        allreduce(fused, backend, op, out=fused, timeout=remaining)
+        offset = 0
+        for i in members:
+            n = xs[i].size
+            np.copyto(results[i], fused[offset : offset + n].reshape(xs[i].shape))
+            offset += n
+    return results
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +467,7 @@ def _all_gather(
     state = backend._state
     name = _status.OPS[opcode]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         dt = datatype_of(x, name)
         shape = (state.size * x.shape[0], *x.shape[1:]) if x.ndim else (state.size,)
@@ -317,7 +477,13 @@ def _all_gather(
         state.fail_before_start(opcode)
         raise
     n = x.size
-    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
+    if blocking and x.nbytes >= _shm.LIMITS["all_gather"]:
+        engine = _node_engine(backend, timeout)
+        if engine is not None and engine.rail is None:
+            seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
+            _on_node(state, opcode, seq, lambda d, p: engine.all_gather(x, buf, d, p), timeout)
+            return _done_on_node(state, result, buf, 0)
+    seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
     try:
         req = state.comm.Iallgather([x, n, dt], [buf, n, dt])
     except MPI.Exception as exc:
@@ -389,10 +555,9 @@ def _reduce_scatter(
     state = backend._state
     name = _status.OPS[opcode]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
-        dt = datatype_of(x, name)
-        mop, mean = mpi_op(op, x.dtype)
+        dt, mop, mean = reduction(op, x.dtype, name)
         rows = _rows_divisible(x, state.size, name)
         result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name)
         x = _separate(x, buf, out)
@@ -400,25 +565,22 @@ def _reduce_scatter(
         state.fail_before_start(opcode)
         raise
     count = buf.size
-    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, op=op, timeout=timeout)
+    divisor = state.size if mean else 0
+    if blocking and x.nbytes >= _shm.LIMITS["reduce_scatter"]:
+        engine = _node_engine(backend, timeout)
+        if engine is not None and engine.rail is None:
+            seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
+            _on_node(
+                state, opcode, seq, lambda d, p: engine.reduce_scatter(x, buf, mop, d, p), timeout
+            )
+            return _done_on_node(state, result, buf, divisor)
+    seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
     try:
         req = state.comm.Ireduce_scatter_block([x, count, dt], [buf, count, dt], mop)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    return _conclude(
-        blocking,
-        state,
-        opcode,
-        seq,
-        req,
-        result,
-        buf,
-        state.size if mean else 0,
-        x,
-        timeout,
-        backend,
-    )
+    return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout, backend)
 
 
 def reduce_scatter(

@@ -1,0 +1,374 @@
+"""Shared-memory collectives among the ranks of a node (MPI-3 shared windows).
+
+For large messages, MPI moves data between ranks of one node through its own
+shared-memory cells: every byte is copied into a cell by the sender, out of
+it by the receiver, and reduced by a third pass, with temporary buffers that
+glibc hands back to the kernel after large calls (each call then page-faults
+them in again). ferrompi's node engine instead keeps one persistent window
+per rank (``Win.Allocate_shared`` over ``Comm.Split_type(COMM_TYPE_SHARED)``)
+and lets every rank read its peers' windows directly:
+
+* **allreduce**, per round of at most ``slot`` bytes of the message: rank
+  ``r`` copies the parts of its input that the others own into its window;
+  after a flag barrier it reduces the part it owns, reading its own part
+  from its private input and the others' from their windows, and writes the
+  result into its window; after a second flag barrier every rank copies the
+  results of all parts into its output. Each byte is read from private memory
+  once and written to it once, with one copy through shared memory in each
+  direction.
+* **reduce_scatter**: the same first half; the owner writes its reduced part
+  straight into its output.
+* **all_gather**: every rank copies its input into its window; after a flag
+  barrier every rank copies every window into its output.
+
+Windows hold two rounds (double buffering): a rank fills one while its peers
+still read the other. Progress is tracked by three counters per rank in a
+second small window (round inputs published, round reduced, round consumed),
+on separate cache lines; a rank waits for its peers' counters with the same
+spin-then-yield loop as every ferrompi wait, under the call's deadline.
+
+Across nodes (a communicator whose ranks span several nodes, with the same
+number of ranks on each), allreduce is hierarchical: the node-local rounds
+above, and between them an MPI allreduce of each owned part among the ranks
+that own the same part on the other nodes (one "rail" communicator per
+node-local rank), so that every rank of a node drives its share of the
+inter-node traffic.
+
+**Reduction order.** Every element is reduced once, by the rank that owns
+it, in node-local rank order (``x0 op x1 op ... op x(L-1)``, left to right),
+and then across nodes in MPI's order; every rank receives the same bits.
+For integer sums, and for MIN, MAX and the bitwise and logical operations,
+the result is the same as MPI's; floating-point sums and products may differ
+from MPI's in the last bits (a different association).
+
+Environment:
+
+``FERROMPI_SHM``
+    ``0`` disables the engine (every collective goes through MPI).
+``FERROMPI_SHM_THRESHOLD``
+    Message size in bytes from which blocking allreduce, reduce_scatter and
+    all_gather use the engine; overrides the measured defaults
+    (:data:`THRESHOLDS`).
+``FERROMPI_SHM_GROUP_SIZE``
+    Treat consecutive blocks of this many ranks as one node (default: the
+    real nodes, from ``Split_type``). Every block must still lie within one
+    real node; it lets one machine run the hierarchical algorithm.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ._mpi import MPI
+from .errors import InvalidArgument
+
+__all__ = ["NodeEngine", "THRESHOLDS", "LIMITS", "enabled"]
+
+#: Default message sizes (bytes per rank) from which the engine is used,
+#: measured on the 2-core development machine (docs/performance.md).
+THRESHOLDS = {"allreduce": 1 << 20, "reduce_scatter": 1 << 20, "all_gather": 1 << 62}
+
+#: Bytes of one round in each rank's window (two rounds are kept).
+SLOT_BYTES = 2 << 20
+
+_READY, _REDUCED, _CONSUMED = 0, 8, 16  # counter words, one cache line apart
+_FLAG_WORDS = 24
+
+# numpy ufunc of each MPI reduction the engine performs, by the op's handle
+_UFUNCS = {}
+if MPI is not None:
+    _UFUNCS = {
+        op.handle: ufunc
+        for op, ufunc in (
+            (MPI.SUM, np.add),
+            (MPI.PROD, np.multiply),
+            (MPI.MIN, np.minimum),
+            (MPI.MAX, np.maximum),
+            (MPI.BAND, np.bitwise_and),
+            (MPI.BOR, np.bitwise_or),
+            (MPI.BXOR, np.bitwise_xor),
+            (MPI.LAND, np.logical_and),
+            (MPI.LOR, np.logical_or),
+            (MPI.LXOR, np.logical_xor),
+        )
+    }
+
+
+def enabled() -> bool:
+    """Whether ``FERROMPI_SHM`` leaves the engine on (the default)."""
+    return os.environ.get("FERROMPI_SHM", "1").strip() != "0"
+
+
+def _limits() -> tuple[dict[str, float], str | None]:
+    """Bytes from which each operation uses the engine (read once, at import), and the
+    error to raise at first use if ``FERROMPI_SHM_THRESHOLD`` is not a size."""
+    text = os.environ.get("FERROMPI_SHM_THRESHOLD")
+    if not text:
+        return dict(THRESHOLDS), None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        # every call then asks for the engine, which raises CONFIG_ERROR
+        return dict.fromkeys(THRESHOLDS, 0), (
+            f"FERROMPI_SHM_THRESHOLD must be a number of bytes, got {text!r}"
+        )
+    return dict.fromkeys(THRESHOLDS, value), None
+
+
+#: The thresholds in force (bytes per rank): ``FERROMPI_SHM_THRESHOLD`` if set
+#: at import, else :data:`THRESHOLDS`. Every rank must use the same values.
+LIMITS, CONFIG_ERROR = _limits()
+
+
+def _group_size() -> int | None:
+    text = os.environ.get("FERROMPI_SHM_GROUP_SIZE")
+    if not text:
+        return None
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise InvalidArgument(f"FERROMPI_SHM_GROUP_SIZE must be a positive integer, got {text!r}")
+    return size
+
+
+def _reduce_into(ufunc, sources: list[np.ndarray], dst: np.ndarray) -> None:
+    """``dst`` = ``sources[0] op sources[1] op ...``, left to right (the documented order)."""
+    if len(sources) == 1:
+        dst[...] = sources[0]
+        return
+    ufunc(sources[0], sources[1], out=dst)
+    for src in sources[2:]:
+        ufunc(dst, src, out=dst)
+
+
+class PeerWait(Exception):
+    """A wait for the peers' counters passed its deadline (the caller reports it)."""
+
+
+class NodeEngine:
+    """The windows and counters of one communicator's node-local group.
+
+    Build it with :meth:`create` (collective over the communicator, after
+    every rank is known to have arrived). ``None`` from :meth:`create` means
+    the engine does not apply (nodes of unequal sizes).
+    """
+
+    def __init__(self, node, rail, slot: int) -> None:
+        self.node = node
+        self.rail = rail  # None on a single node
+        self.size = node.Get_size()
+        self.rank = node.Get_rank()
+        self.slot = slot
+        self.win = MPI.Win.Allocate_shared(2 * slot, 1, comm=node)
+        self.flag_win = MPI.Win.Allocate_shared(_FLAG_WORDS * 8, 8, comm=node)
+        self.windows = [
+            np.frombuffer(self.win.Shared_query(j)[0], np.uint8, count=2 * slot)
+            for j in range(self.size)
+        ]
+        self.flags = [
+            np.frombuffer(self.flag_win.Shared_query(j)[0], np.int64, count=_FLAG_WORDS)
+            for j in range(self.size)
+        ]
+        self.mine = self.flags[self.rank]
+        self.mine[:] = 0
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.flag_win.Lock_all(MPI.MODE_NOCHECK)
+        self.round = 0  # rounds completed by this engine (the same on every rank)
+        node.Barrier()  # counters zeroed before anyone reads them
+
+    @classmethod
+    def create(cls, comm) -> NodeEngine | None:
+        """Build the engine of ``comm`` (collective; every rank must have arrived)."""
+        group = _group_size()
+        size, rank = comm.Get_size(), comm.Get_rank()
+        if group is None:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        else:
+            if size % group:
+                raise InvalidArgument(
+                    f"FERROMPI_SHM_GROUP_SIZE={group} does not divide the group size {size}"
+                )
+            node = comm.Split(rank // group, rank)
+        sizes = comm.allgather(node.Get_size())
+        if len(set(sizes)) != 1:
+            node.Free()
+            return None
+        rail = None
+        if node.Get_size() < size:
+            rail = comm.Split(node.Get_rank(), rank)
+        return cls(node, rail, SLOT_BYTES)
+
+    # -- waiting -------------------------------------------------------------
+
+    def _wait(self, word: int, value: int, deadline: float, probe) -> None:
+        """Until every rank's counter ``word`` reaches ``value`` (or :class:`PeerWait`)."""
+        monotonic = time.monotonic
+        for f in self.flags:
+            if f[word] >= value:
+                continue
+            spins = 0
+            next_probe = 0.0
+            while f[word] < value:
+                spins += 1
+                if spins > 16:
+                    os.sched_yield()
+                    if not spins & 255:
+                        now = monotonic()
+                        if now > deadline:
+                            raise PeerWait
+                        if probe is not None and now >= next_probe:
+                            if next_probe:
+                                probe()
+                            next_probe = now + 0.01
+        self.flag_win.Sync()
+
+    def _post(self, word: int, value: int) -> None:
+        self.win.Sync()  # the round's data is visible before its counter
+        self.mine[word] = value
+
+    def _rail_allreduce(self, view: np.ndarray, mpi_op, deadline: float) -> None:
+        from ._progress import _spin
+
+        req = self.rail.Iallreduce(MPI.IN_PLACE, view, mpi_op)
+        if not _spin(req, None, deadline):
+            raise PeerWait
+
+    # -- the rounds ----------------------------------------------------------
+
+    def _parts(self, lo: int, hi: int, item: int) -> list[int]:
+        """Boundaries (bytes) of the node ranks' parts of the round ``[lo, hi)``."""
+        count = (hi - lo) // item
+        p = self.size
+        return [lo + (count * j // p) * item for j in range(p)] + [hi]
+
+    def _claim(self, deadline: float, probe) -> tuple[int, int]:
+        """The next round's number and window offset, once its slot is free."""
+        t = self.round
+        if t >= 2:  # every rank has consumed round t - 2, which used this slot
+            self._wait(_CONSUMED, t - 1, deadline, probe)
+        return t, (t % 2) * self.slot
+
+    def allreduce(self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe) -> None:
+        """``out`` = reduction of every rank's ``x`` (same shape, C-contiguous)."""
+        ufunc = _UFUNCS[mpi_op.handle]
+        dtype = x.dtype
+        xb = x.reshape(-1).view(np.uint8)
+        ob = out.reshape(-1).view(np.uint8)
+        item = dtype.itemsize
+        step = max(item, self.slot // item * item)
+        n = xb.size
+        me, windows = self.rank, self.windows
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            t, base = self._claim(deadline, probe)
+            parts = self._parts(lo, hi, item)
+            mywin = windows[me]
+            for j in range(self.size):
+                if j != me:
+                    a, b = parts[j], parts[j + 1]
+                    mywin[base + a - lo : base + b - lo] = xb[a:b]
+            self._post(_READY, t + 1)
+            self._wait(_READY, t + 1, deadline, probe)
+            a, b = parts[me], parts[me + 1]
+            if b > a:
+                dst = mywin[base + a - lo : base + b - lo].view(dtype)
+                sources = [
+                    xb[a:b].view(dtype)
+                    if j == me
+                    else windows[j][base + a - lo : base + b - lo].view(dtype)
+                    for j in range(self.size)
+                ]
+                if len(sources) == 1:
+                    dst[...] = sources[0]
+                else:
+                    ufunc(sources[0], sources[1], out=dst)
+                    for src in sources[2:]:
+                        ufunc(dst, src, out=dst)
+                if self.rail is not None:
+                    self._rail_allreduce(dst, mpi_op, deadline)
+            self._post(_REDUCED, t + 1)
+            self._wait(_REDUCED, t + 1, deadline, probe)
+            for j in range(self.size):
+                a, b = parts[j], parts[j + 1]
+                ob[a:b] = windows[j][base + a - lo : base + b - lo]
+            self._post(_CONSUMED, t + 1)
+            self.round = t + 1
+
+    def reduce_scatter(
+        self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe
+    ) -> None:
+        """``out`` = this rank's block of the reduction (single node; blocks along axis 0)."""
+        ufunc = _UFUNCS[mpi_op.handle]
+        dtype = x.dtype
+        p, me, windows = self.size, self.rank, self.windows
+        blocks = x.reshape(p, -1).view(np.uint8)  # block j: what rank j receives
+        ob = out.reshape(-1).view(np.uint8)
+        block = ob.size
+        item = dtype.itemsize
+        step = max(item, self.slot // p // item * item)  # bytes of each block per round
+        for lo in range(0, block, step):
+            hi = min(block, lo + step)
+            m = hi - lo
+            t, base = self._claim(deadline, probe)
+            mywin = windows[me]
+            for j in range(p):
+                if j != me:
+                    mywin[base + j * m : base + (j + 1) * m] = blocks[j, lo:hi]
+            self._post(_READY, t + 1)
+            self._wait(_READY, t + 1, deadline, probe)
+            own = blocks[me, lo:hi].view(dtype)
+            _reduce_into(
+                ufunc,
+                [
+                    own if j == me else w[base + me * m : base + (me + 1) * m].view(dtype)
+                    for j, w in enumerate(windows)
+                ],
+                ob[lo:hi].view(dtype),
+            )
+            self._post(_CONSUMED, t + 1)
+            self.round = t + 1
+
+    def all_gather(self, x: np.ndarray, out: np.ndarray, deadline: float, probe) -> None:
+        """``out`` = every rank's ``x`` concatenated in rank order (single node)."""
+        p, me, windows = self.size, self.rank, self.windows
+        xb = x.reshape(-1).view(np.uint8)
+        ob = out.reshape(p, -1).view(np.uint8)
+        n = xb.size
+        for lo in range(0, n, self.slot):
+            hi = min(n, lo + self.slot)
+            t, base = self._claim(deadline, probe)
+            windows[me][base : base + hi - lo] = xb[lo:hi]
+            self._post(_READY, t + 1)
+            ob[me, lo:hi] = xb[lo:hi]
+            self._wait(_READY, t + 1, deadline, probe)
+            for j in range(p):
+                if j != me:
+                    ob[j, lo:hi] = windows[j][base : base + hi - lo]
+            self._post(_CONSUMED, t + 1)
+            self.round = t + 1
+
+    def free(self) -> None:
+        """Release the windows and communicators (collective over the node)."""
+        self.win.Unlock_all()
+        self.flag_win.Unlock_all()
+        self.win.Free()
+        self.flag_win.Free()
+        if self.rail is not None:
+            self.rail.Free()
+        self.node.Free()
+
+
+def describe_round(engine: NodeEngine) -> str:
+    """Each node rank's counters, for a timeout message."""
+    return "; ".join(
+        f"node rank {j}: published {int(f[_READY])}, reduced {int(f[_REDUCED])}, "
+        f"consumed {int(f[_CONSUMED])}"
+        for j, f in enumerate(engine.flags)
+    )

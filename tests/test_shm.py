@@ -1,0 +1,173 @@
+"""The shared-memory node engine (ferrompi._shm) under mpiexec, against numpy and MPI.
+
+The engine applies to MPI communicators only, so these tests run under
+``mpiexec -n N python -m pytest --with-mpi``. They lower the thresholds to
+zero and the window to a few KiB, so that small arrays take the engine's
+path over many rounds (double buffering, uneven last round, parts of zero
+bytes). Every rank computes every rank's input from seeds and checks its
+result against numpy; results must also be bit-identical on every rank, and
+equal to MPI's own for exact reductions.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from support import rank_data
+
+import ferrompi as fm
+from ferrompi import _shm
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+CASES = [
+    (np.int64, fm.ReduceOp.SUM),
+    (np.int32, fm.ReduceOp.MAX),
+    (np.uint8, fm.ReduceOp.BXOR),
+    (np.bool_, fm.ReduceOp.BOR),
+    (np.float64, fm.ReduceOp.SUM),
+    (np.float32, fm.ReduceOp.MEAN),
+    (np.float16, fm.ReduceOp.MIN),
+    (np.complex128, fm.ReduceOp.PRODUCT),
+]
+SIZES = [0, 1, 5, 999, 4099]  # elements; with 1 KiB slots: one round to many rounds
+
+_NUMPY = {
+    "SUM": np.add,
+    "MEAN": np.add,
+    "MAX": np.maximum,
+    "MIN": np.minimum,
+    "PRODUCT": np.multiply,
+    "BXOR": np.bitwise_xor,
+    "BOR": np.bitwise_or,
+}
+
+
+@pytest.fixture
+def engine_everywhere(monkeypatch):
+    """Thresholds 0 and 1 KiB rounds, for backends created in the test."""
+    monkeypatch.setattr(_shm, "LIMITS", dict.fromkeys(_shm.THRESHOLDS, 0))
+    monkeypatch.setattr(_shm, "SLOT_BYTES", 1024)
+
+
+def fresh_world() -> fm.MPIBackend:
+    return fm.MPIBackend(MPI.COMM_WORLD.Dup(), timeout=30)
+
+
+def reference(op: fm.ReduceOp, xs: list[np.ndarray]) -> np.ndarray:
+    """Rank-order reduction, left to right (the engine's documented order)."""
+    ufunc = _NUMPY[op.name]
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        acc = ufunc(acc, x).astype(acc.dtype)
+    if op is fm.ReduceOp.MEAN:
+        acc = (acc / len(xs)).astype(acc.dtype)
+    return acc
+
+
+def identical_everywhere(comm, a: np.ndarray) -> bool:
+    return len(set(comm.allgather(a.tobytes()))) == 1
+
+
+def check_allreduce(b: fm.MPIBackend) -> None:
+    p = b.world_size
+    for dtype, op in CASES:
+        for n in SIZES:
+            xs = [rank_data(r, (n,), dtype, seed=n) for r in range(p)]
+            got = fm.allreduce(xs[b.rank], b, op)
+            want = reference(op, xs)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            if np.dtype(dtype).kind in "fc":
+                np.testing.assert_allclose(got, want, rtol=2e-3 if dtype == np.float16 else 1e-12)
+            else:
+                np.testing.assert_array_equal(got, want)
+            assert identical_everywhere(b.comm, got), (dtype, op, n)
+    # integer sums are exactly MPI's; in place works
+    x = rank_data(b.rank, (3, 1001), np.int64, seed=9)
+    mpi = np.empty_like(x)
+    b.comm.Allreduce(x, mpi, MPI.SUM)
+    fm.allreduce(x, b, out=x)
+    np.testing.assert_array_equal(x, mpi)
+    assert b._state.shm, "the engine was not used"
+
+
+def test_allreduce_on_one_node(engine_everywhere):
+    check_allreduce(fresh_world())
+
+
+def test_allreduce_hierarchical(engine_everywhere, monkeypatch):
+    # Pretend ranks form several nodes (2 of 2 ranks at size 4, else one per
+    # rank): node-local rounds plus an MPI allreduce per part between nodes.
+    size = MPI.COMM_WORLD.size
+    monkeypatch.setenv("FERROMPI_SHM_GROUP_SIZE", "2" if size == 4 else "1")
+    b = fresh_world()
+    check_allreduce(b)
+    assert b._state.shm.rail is not None
+
+
+def test_reduce_scatter_and_all_gather_on_one_node(engine_everywhere):
+    b = fresh_world()
+    p, r = b.world_size, b.rank
+    for dtype, op in CASES:
+        for rows in (0, 1, 7, 300):
+            xs = [rank_data(j, (rows * p, 3), dtype, seed=rows) for j in range(p)]
+            got = fm.reduce_scatter(xs[r], b, op)
+            want = np.split(reference(op, xs), p)[r]
+            if np.dtype(dtype).kind in "fc":
+                np.testing.assert_allclose(got, want, rtol=2e-3 if dtype == np.float16 else 1e-12)
+            else:
+                np.testing.assert_array_equal(got, want)
+            ys = [rank_data(j, (rows, 2), dtype, seed=rows + 1) for j in range(p)]
+            np.testing.assert_array_equal(fm.all_gather(ys[r], b), np.concatenate(ys))
+    assert b._state.shm and b._state.shm.rail is None
+
+
+def test_a_rank_that_never_arrives_times_out_in_the_engine(engine_everywhere):
+    b = fresh_world()
+    fm.allreduce(np.ones(300), b)  # builds the engine on every rank
+    if b.rank == 0:
+        time.sleep(2.5)  # never calls the second allreduce; outlives the peers' timeout
+        return
+    start = time.monotonic()
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        fm.allreduce(np.ones(300), b, timeout=1.0)
+    assert 1.0 <= time.monotonic() - start < 5
+    text = str(info.value)
+    assert info.value.missing == (0,)
+    assert "rank 0 has not reached allreduce #" in text
+    assert "shared-memory rounds: node rank 0: published " in text
+    with pytest.raises(fm.DistributedError, match="unusable"):
+        fm.allreduce(np.ones(300), b)
+
+
+def test_a_rank_that_rejects_its_call_stops_the_engine_at_once(engine_everywhere):
+    b = fresh_world()
+    fm.allreduce(np.ones(300), b)
+    if b.rank == 0:
+        with pytest.raises(fm.UnsupportedOp):
+            fm.allreduce(np.ones(300, np.int64), b, fm.ReduceOp.MEAN)
+        return
+    start = time.monotonic()
+    with pytest.raises(fm.DistributedError) as info:
+        fm.allreduce(np.ones(300), b, fm.ReduceOp.MEAN, timeout=20)
+    assert time.monotonic() - start < 5
+    assert "rank 0 rejected its call" in str(info.value)
+
+
+def test_allreduce_coalesced_fuses_by_dtype(engine_everywhere):
+    b = fresh_world()
+    p, r = b.world_size, b.rank
+    shapes = [(3,), (2, 2), (), (0,), (5, 1)]
+    dtypes = [np.float64, np.int32, np.float64, np.int32, np.float32]
+    xs = [
+        [rank_data(j, s, d, seed=i) for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
+        for j in range(p)
+    ]
+    got = fm.allreduce_coalesced(xs[r], b)
+    for i, g in enumerate(got):
+        want = reference(fm.ReduceOp.SUM, [xs[j][i] for j in range(p)])
+        assert g.shape == want.shape and g.dtype == want.dtype
+        np.testing.assert_allclose(g, want)
