@@ -1,0 +1,589 @@
+"""Collective benchmarks: ferrompi against raw mpi4py and torch.distributed (gloo), side by side.
+
+Run under MPI (2 ranks is the reference configuration)::
+
+    mpiexec -n 2 .venv/bin/python benchmarks/run.py                 # every op, 4 B .. 64 MiB
+    mpiexec -n 2 .venv/bin/python benchmarks/run.py --quick --check # CI guard, a few seconds
+    mpiexec -n 4 python benchmarks/run.py --ops allreduce --json out.json --plot docs/_static
+
+torch.distributed (gloo, CPU) joins the comparison when ``import torch``
+works in the ranks' Python (``pip install torch==2.13.0``, a CPU build).
+
+For every (operation, size) pair, each repetition runs every implementation
+once, in turn (interleaved, so that all of them see the same machine state):
+a barrier, then ``k`` back-to-back calls, timed; ``k`` is calibrated once so
+that a block lasts about ``--block-ms``. A sample is the slowest rank's time
+per call. The table gives the median of ``--reps`` samples, with min and p90
+in the JSON output; ratios are of medians from the same run.
+
+Implementations (every buffer allocated and touched before timing):
+
+* ``ferrompi``: the ferrompi call with ``out=`` (no allocation per call);
+* ``mpi4py``: the raw buffer (upper-case) mpi4py call on the same arrays:
+  the floor that ferrompi adds to;
+* ``gloo``: the torch.distributed call on tensors sharing the same memory.
+
+Sizes are the bytes of each rank's input buffer (float32 elements, rounded
+up to a multiple of the number of ranks where the operation splits it).
+``all_to_all_uneven`` sends rank ``r`` ``(r + j) % 3 + 1`` parts of ``n /
+(3 p)`` rows to rank ``j`` (``Alltoallv``); ``sendrecv`` exchanges with the
+neighbour ``rank ^ 1`` (ring neighbour for odd sizes);
+``allreduce_coalesced`` reduces 100 arrays of 4 KiB, fused and as 100 calls.
+
+``--memory`` measures the peak resident memory each rank adds during a
+64 MiB allreduce (``VmHWM`` after resetting it through
+``/proc/self/clear_refs``), for ferrompi with ``out=``, ferrompi returning a
+new array, and raw mpi4py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import ferrompi as fm
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4, 64, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+QUICK_SIZES = [4, KiB, 64 * KiB, MiB]
+OPS = [
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_uneven",
+    "sendrecv",
+    "async_allreduce",
+    "async_broadcast",
+    "async_all_gather",
+    "async_reduce_scatter",
+    "async_all_to_all",
+    "allreduce_coalesced",
+]
+IMPLS = ("ferrompi", "mpi4py", "gloo")
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    for suffix, factor in (("KI", KiB), ("MI", MiB), ("K", KiB), ("M", MiB)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
+def human(nbytes: int) -> str:
+    if nbytes >= MiB:
+        return f"{nbytes / MiB:g} MiB"
+    if nbytes >= KiB:
+        return f"{nbytes / KiB:g} KiB"
+    return f"{nbytes} B"
+
+
+# ---------------------------------------------------------------------------
+# the calls under test: op -> builder(nbytes) -> {impl: zero-argument callable}
+# ---------------------------------------------------------------------------
+
+
+class Calls:
+    """Builds, for one operation and size, the callable of each implementation."""
+
+    def __init__(self, world: fm.MPIBackend, dist) -> None:
+        self.world = world
+        self.comm = world.comm
+        self.p = world.world_size
+        self.rank = world.rank
+        self.dist = dist  # torch.distributed, or None
+
+    def _arrays(self, elements: int, out_elements: int | None = None):
+        rng = np.random.default_rng(self.rank)
+        x = rng.standard_normal(elements).astype(np.float32)
+        out = np.zeros(elements if out_elements is None else out_elements, np.float32)
+        return x, out
+
+    def _tensor(self, a: np.ndarray):
+        import torch
+
+        return torch.from_numpy(a)
+
+    def build(self, op: str, nbytes: int) -> dict:
+        return getattr(self, "_" + op)(nbytes)
+
+    def _split_elements(self, nbytes: int) -> int:
+        n = max(1, nbytes // 4)
+        return -(-n // self.p) * self.p
+
+    def _allreduce(self, nbytes):
+        x, out = self._arrays(max(1, nbytes // 4))
+        w, c = self.world, self.comm
+        calls = {
+            "ferrompi": lambda: fm.allreduce(x, w, out=out),
+            "mpi4py": lambda: c.Allreduce(x, out, MPI.SUM),
+        }
+        if self.dist:
+            t = self._tensor(out)
+            calls["gloo"] = lambda: self.dist.all_reduce(t)
+        return calls
+
+    def _async_allreduce(self, nbytes):
+        x, out = self._arrays(max(1, nbytes // 4))
+        w, c = self.world, self.comm
+        calls = {
+            "ferrompi": lambda: fm.async_allreduce(x, w, out=out).wait(),
+            "mpi4py": lambda: c.Iallreduce(x, out, MPI.SUM).Wait(),
+        }
+        if self.dist:
+            t = self._tensor(out)
+            calls["gloo"] = lambda: self.dist.all_reduce(t, async_op=True).wait()
+        return calls
+
+    def _broadcast(self, nbytes, asynchronous=False):
+        x, _ = self._arrays(max(1, nbytes // 4))
+        w, c = self.world, self.comm
+        if asynchronous:
+            calls = {
+                "ferrompi": lambda: fm.async_broadcast(x, w, root=0, out=x).wait(),
+                "mpi4py": lambda: c.Ibcast(x, 0).Wait(),
+            }
+        else:
+            calls = {
+                "ferrompi": lambda: fm.broadcast(x, w, root=0, out=x),
+                "mpi4py": lambda: c.Bcast(x, 0),
+            }
+        if self.dist:
+            t = self._tensor(x)
+            if asynchronous:
+                calls["gloo"] = lambda: self.dist.broadcast(t, 0, async_op=True).wait()
+            else:
+                calls["gloo"] = lambda: self.dist.broadcast(t, 0)
+        return calls
+
+    def _async_broadcast(self, nbytes):
+        return self._broadcast(nbytes, asynchronous=True)
+
+    def _all_gather(self, nbytes, asynchronous=False):
+        n = max(1, nbytes // 4)
+        x, out = self._arrays(n, n * self.p)
+        w, c = self.world, self.comm
+        if asynchronous:
+            calls = {
+                "ferrompi": lambda: fm.async_all_gather(x, w, out=out).wait(),
+                "mpi4py": lambda: c.Iallgather(x, out).Wait(),
+            }
+        else:
+            calls = {
+                "ferrompi": lambda: fm.all_gather(x, w, out=out),
+                "mpi4py": lambda: c.Allgather(x, out),
+            }
+        if self.dist:
+            tx, tout = self._tensor(x), self._tensor(out)
+            gather = self.dist.all_gather_into_tensor
+            if asynchronous:
+                calls["gloo"] = lambda: gather(tout, tx, async_op=True).wait()
+            else:
+                calls["gloo"] = lambda: gather(tout, tx)
+        return calls
+
+    def _async_all_gather(self, nbytes):
+        return self._all_gather(nbytes, asynchronous=True)
+
+    def _reduce_scatter(self, nbytes, asynchronous=False):
+        n = self._split_elements(nbytes)
+        x, out = self._arrays(n, n // self.p)
+        w, c = self.world, self.comm
+        if asynchronous:
+            calls = {
+                "ferrompi": lambda: fm.async_reduce_scatter(x, w, out=out).wait(),
+                "mpi4py": lambda: c.Ireduce_scatter_block(x, out, MPI.SUM).Wait(),
+            }
+        else:
+            calls = {
+                "ferrompi": lambda: fm.reduce_scatter(x, w, out=out),
+                "mpi4py": lambda: c.Reduce_scatter_block(x, out, MPI.SUM),
+            }
+        if self.dist:
+            tx, tout = self._tensor(x), self._tensor(out)
+            rs = self.dist.reduce_scatter_tensor
+            if asynchronous:
+                calls["gloo"] = lambda: rs(tout, tx, async_op=True).wait()
+            else:
+                calls["gloo"] = lambda: rs(tout, tx)
+        return calls
+
+    def _async_reduce_scatter(self, nbytes):
+        return self._reduce_scatter(nbytes, asynchronous=True)
+
+    def _all_to_all(self, nbytes, asynchronous=False):
+        n = self._split_elements(nbytes)
+        x, out = self._arrays(n)
+        w, c = self.world, self.comm
+        if asynchronous:
+            calls = {
+                "ferrompi": lambda: fm.async_all_to_all(x, w, out=out).wait(),
+                "mpi4py": lambda: c.Ialltoall(x, out).Wait(),
+            }
+        else:
+            calls = {
+                "ferrompi": lambda: fm.all_to_all(x, w, out=out),
+                "mpi4py": lambda: c.Alltoall(x, out),
+            }
+        if self.dist:
+            tx, tout = self._tensor(x), self._tensor(out)
+            a2a = self.dist.all_to_all_single
+            if asynchronous:
+                calls["gloo"] = lambda: a2a(tout, tx, async_op=True).wait()
+            else:
+                calls["gloo"] = lambda: a2a(tout, tx)
+        return calls
+
+    def _async_all_to_all(self, nbytes):
+        return self._all_to_all(nbytes, asynchronous=True)
+
+    def _all_to_all_uneven(self, nbytes):
+        p, r = self.p, self.rank
+        unit = max(1, nbytes // 4 // (3 * p))
+        send = [((r + j) % 3 + 1) * unit for j in range(p)]
+        recv = [((j + r) % 3 + 1) * unit for j in range(p)]
+        x, out = self._arrays(sum(send), sum(recv))
+        w, c = self.world, self.comm
+        sd = np.concatenate(([0], np.cumsum(send)[:-1]))
+        rd = np.concatenate(([0], np.cumsum(recv)[:-1]))
+        calls = {
+            "ferrompi": lambda: fm.all_to_all_single_uneven(x, send, recv, w, out=out),
+            "mpi4py": lambda: c.Alltoallv([x, (send, sd)], [out, (recv, rd)]),
+        }
+        if self.dist:
+            tx, tout = self._tensor(x), self._tensor(out)
+            calls["gloo"] = lambda: self.dist.all_to_all_single(tout, tx, recv, send)
+        return calls
+
+    def _sendrecv(self, nbytes):
+        p, r = self.p, self.rank
+        if p % 2 == 0:
+            dst = src = r ^ 1
+        else:
+            dst, src = (r + 1) % p, (r - 1) % p
+        x, out = self._arrays(max(1, nbytes // 4))
+        w, c = self.world, self.comm
+        if dst == src:
+            fm_call = lambda: fm.sendrecv(x, out.shape, dst, w, out=out)  # noqa: E731
+        else:
+
+            def fm_call():
+                req = fm.isend(x, dst, w)
+                fm.recv_into(out, src, w)
+                req.wait()
+
+        calls = {
+            "ferrompi": fm_call,
+            "mpi4py": lambda: c.Sendrecv(x, dst, 0, out, src, 0),
+        }
+        if self.dist:
+            tx, tout = self._tensor(x), self._tensor(out)
+            dist = self.dist
+
+            def gloo_call():
+                ops = [dist.P2POp(dist.isend, tx, dst), dist.P2POp(dist.irecv, tout, src)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+
+            calls["gloo"] = gloo_call
+        return calls
+
+    def _allreduce_coalesced(self, nbytes):
+        """100 arrays of ``nbytes`` / 100 each (default 4 KiB): fused against 100 calls."""
+        del nbytes
+        rng = np.random.default_rng(self.rank)
+        xs = [rng.standard_normal(1024).astype(np.float32) for _ in range(100)]
+        outs = [np.zeros_like(a) for a in xs]
+        w, c = self.world, self.comm
+        pairs = list(zip(xs, outs, strict=True))
+
+        def separate_fm():
+            for a, o in pairs:
+                fm.allreduce(a, w, out=o)
+
+        def separate_raw():
+            for a, o in pairs:
+                c.Allreduce(a, o, MPI.SUM)
+
+        calls = {
+            "ferrompi": lambda: fm.allreduce_coalesced(xs, w, out=outs),
+            "ferrompi 100 calls": separate_fm,
+            "mpi4py 100 calls": separate_raw,
+        }
+        if self.dist:
+            ts = [self._tensor(o) for o in outs]
+            calls["gloo"] = lambda: self.dist.all_reduce_coalesced(ts)
+        return calls
+
+
+# ---------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------
+
+
+def slowest(comm, seconds: float) -> float:
+    return comm.allreduce(seconds, op=MPI.MAX)
+
+
+def calibrate(comm, call, block_s: float) -> int:
+    """Calls per block so that a block lasts about ``block_s`` (the same on every rank)."""
+    call()
+    k = 1
+    while True:
+        comm.Barrier()
+        t = time.perf_counter()
+        for _ in range(k):
+            call()
+        elapsed = slowest(comm, time.perf_counter() - t)
+        if elapsed >= block_s / 4 or k >= 1 << 16:
+            return max(1, min(1 << 16, int(k * block_s / max(elapsed, 1e-9))))
+        k *= 4
+
+
+def measure(comm, calls: dict, reps: int, block_s: float) -> dict[str, list[float]]:
+    """Interleaved samples (seconds per call, slowest rank) of every implementation."""
+    counts = {name: calibrate(comm, call, block_s) for name, call in calls.items()}
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            k = counts[name]
+            comm.Barrier()
+            t = time.perf_counter()
+            for _ in range(k):
+                call()
+            samples[name].append(slowest(comm, (time.perf_counter() - t) / k))
+    return samples
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "min": ordered[0],
+        "median": statistics.median(ordered),
+        "p90": ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))],
+    }
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:8.1f} us"
+    return f"{seconds * 1e3:8.2f} ms"
+
+
+# ---------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_added_mib(comm, call, repeats: int = 3) -> float:
+    """Peak resident memory (MiB) this rank adds while running ``call`` (after a warm-up)."""
+    call()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _status_kib("VmRSS")
+    for _ in range(repeats):
+        comm.Barrier()
+        call()
+    return (_status_kib("VmHWM") - base) / 1024
+
+
+def memory_report(world, comm) -> dict[str, float]:
+    n = 64 * MiB // 4
+    x = np.random.default_rng(world.rank).standard_normal(n).astype(np.float32)
+    out = np.zeros_like(x)
+    report = {
+        "ferrompi allreduce (out=)": peak_added_mib(comm, lambda: fm.allreduce(x, world, out=out)),
+        "ferrompi allreduce (new array)": peak_added_mib(comm, lambda: fm.allreduce(x, world)),
+        "mpi4py Allreduce": peak_added_mib(comm, lambda: comm.Allreduce(x, out, MPI.SUM)),
+    }
+    return {k: max(v for v in comm.allgather(val)) for k, val in report.items()}
+
+
+# ---------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------
+
+
+def table(results: list[dict], impls: list[str]) -> str:
+    lines = []
+    head = f"{'op':<22}{'size':>10}" + "".join(f"{name:>20}" for name in impls)
+    head += f"{'ferrompi/mpi4py':>17}{'gloo/ferrompi':>15}"
+    lines.append(head)
+    for row in results:
+        med = {k: v["median"] for k, v in row["stats"].items()}
+        cells = "".join(f"{fmt_time(med[name]) if name in med else '-':>20}" for name in impls)
+        fm_med = med.get("ferrompi")
+        raw = med.get("mpi4py") or med.get("mpi4py 100 calls")
+        ratio = f"{fm_med / raw:17.2f}" if fm_med and raw else f"{'-':>17}"
+        gloo = f"{med['gloo'] / fm_med:15.1f}" if "gloo" in med and fm_med else f"{'-':>15}"
+        lines.append(f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], directory: str, nranks: int) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ops = [op for op in dict.fromkeys(r["op"] for r in results) if op != "allreduce_coalesced"]
+    for op in ops:
+        rows = [r for r in results if r["op"] == op]
+        fig, (lat, bw) = plt.subplots(1, 2, figsize=(11, 4))
+        for impl in IMPLS:
+            points = [(r["bytes"], r["stats"][impl]["median"]) for r in rows if impl in r["stats"]]
+            if not points:
+                continue
+            sizes, times = zip(*points, strict=True)
+            lat.loglog(sizes, [t * 1e6 for t in times], marker="o", label=impl)
+            bw.semilogx(sizes, [s / t / 1e9 for s, t in points], marker="o", label=impl)
+        lat.set(xlabel="bytes per rank", ylabel="time per call (us)", title=f"{op}: latency")
+        bw.set(xlabel="bytes per rank", ylabel="GB/s (bytes per rank / time)", title="bandwidth")
+        for ax in (lat, bw):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{op}, {nranks} ranks, medians")
+        fig.tight_layout()
+        path = os.path.join(directory, f"bench-{op}-{nranks}ranks.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated operations")
+    parser.add_argument("--sizes", default=None, help="comma-separated sizes (4,1KiB,16MiB,...)")
+    parser.add_argument("--reps", type=int, default=11, help="samples per implementation")
+    parser.add_argument("--block-ms", type=float, default=30.0, help="duration of one sample")
+    parser.add_argument("--quick", action="store_true", help="allreduce, 4 sizes, 5 reps")
+    parser.add_argument(
+        "--check",
+        type=float,
+        nargs="?",
+        const=1.5,
+        default=None,
+        help="exit 1 if ferrompi/mpi4py exceeds this ratio (default 1.5) for allreduce at 1 MiB",
+    )
+    parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed out")
+    parser.add_argument("--memory", action="store_true", help="peak memory of a 64 MiB allreduce")
+    parser.add_argument("--json", default=None, help="write every sample to this file")
+    parser.add_argument("--plot", default=None, help="write PNG plots into this folder")
+    args = parser.parse_args(argv)
+
+    ops = args.ops.split(",")
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else SIZES
+    reps, block_s = args.reps, args.block_ms / 1e3
+    if args.quick:
+        ops, sizes, reps, block_s = ["allreduce"], QUICK_SIZES, 5, min(block_s, 0.02)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        parser.error(f"unknown operations {unknown}; choose from {OPS}")
+
+    world = fm.init()
+    comm = world.comm.Dup()  # the raw calls' communicator (same ranks)
+    dist = None
+    if not args.no_torch:
+        try:
+            import torch
+            import torch.distributed as dist_module
+        except ImportError:
+            pass
+        else:
+            init = tempfile.mktemp(prefix="ferrompi-bench-") if world.rank == 0 else None
+            init = comm.bcast(init)
+            dist_module.init_process_group(
+                "gloo", init_method=f"file://{init}", rank=world.rank, world_size=world.world_size
+            )
+            torch.set_num_threads(1)
+            dist = dist_module
+    calls = Calls(world, dist)
+    # raw mpi4py uses its own duplicate: ferrompi's calls keep their communicator to themselves
+    calls.comm = comm
+
+    torch_version = __import__("torch").__version__ if dist is not None else "absent"
+    header = (
+        f"# ferrompi {fm.__version__} benchmark, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
+        f"{platform.node()}, {world.world_size} ranks, {os.cpu_count()} cores, "
+        f"{MPI.Get_library_version().splitlines()[0].strip()}, "
+        f"torch {torch_version}"
+    )
+    if world.rank == 0:
+        print(header, flush=True)
+    results = []
+    for op in ops:
+        op_sizes = [4 * KiB] if op == "allreduce_coalesced" else sizes
+        for nbytes in op_sizes:
+            samples = measure(comm, calls.build(op, nbytes), reps, block_s)
+            row = {
+                "op": op,
+                "bytes": nbytes,
+                "samples": samples,
+                "stats": {k: summary(v) for k, v in samples.items()},
+            }
+            results.append(row)
+            if world.rank == 0:
+                med = {k: v["median"] for k, v in row["stats"].items()}
+                parts = "  ".join(f"{k} {fmt_time(v).strip()}" for k, v in med.items())
+                print(f"{op:<22}{human(nbytes):>10}  {parts}", flush=True)
+
+    memory = memory_report(world, comm) if args.memory else None
+    status = 0
+    if world.rank == 0:
+        impls = list(dict.fromkeys(k for r in results for k in r["stats"]))
+        print()
+        print(table(results, impls))
+        if memory:
+            print("\npeak resident memory added per rank, 64 MiB allreduce:")
+            for name, mib in memory.items():
+                print(f"  {name:<32}{mib:8.1f} MiB")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "results": results, "memory": memory}, f, indent=1)
+        if args.plot:
+            os.makedirs(args.plot, exist_ok=True)
+            for path in plot(results, args.plot, world.world_size):
+                print(f"wrote {path}")
+        if args.check is not None:
+            row = next((r for r in results if r["op"] == "allreduce" and r["bytes"] == MiB), None)
+            if row is None:
+                print("--check: no allreduce at 1 MiB was measured", file=sys.stderr)
+                status = 2
+            else:
+                ratio = row["stats"]["ferrompi"]["median"] / row["stats"]["mpi4py"]["median"]
+                verdict = "ok" if ratio <= args.check else "FAILED"
+                print(
+                    f"check: allreduce 1 MiB ferrompi/mpi4py = {ratio:.2f} "
+                    f"(limit {args.check}): {verdict}"
+                )
+                status = 0 if ratio <= args.check else 1
+    status = comm.bcast(status)
+    if dist is not None:
+        dist.destroy_process_group()
+    comm.Free()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
