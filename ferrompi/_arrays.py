@@ -71,6 +71,8 @@ def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str) -> tuple[np.nd
 
 def check_rank(value, world_size: int, what: str, op: str) -> int:
     """Validate a peer or root rank; return it as int."""
+    if type(value) is int and 0 <= value < world_size:
+        return value
     from .errors import InvalidRank
 
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -459,9 +459,17 @@ class PendingCollective:
     def _wait_rest(self, seconds: float):
         """Continue a wait begun by :func:`complete` (MPI: the deadline has passed)."""
         req = self._reqs[0]
-        if type(req) is _MPIRequest and not req.Test():
+        if type(req) is not _MPIRequest and getattr(req, "block_until", None):
+            return self.wait(seconds)
+        status = None if self._statuses is None else self._statuses[0]
+        try:
+            finished = req.Test(status)  # a last chance, filling the status once
+        except MPI.Exception as exc:
+            self._fail(mpi_error(self.op_name, exc, self._expected))
+        if not finished:
             self._time_out(seconds)
-        return self.wait(seconds)
+        self._complete()
+        return self._result
 
     def _complete(self) -> None:
         if self._finish is not None:
@@ -541,22 +549,34 @@ def rejection_error(
     return DistributedError(str(exc))
 
 
-def complete(state, opcode, seq, req, result, finish=None, keep=None, timeout=None, peer=-1):
+def complete(
+    state, opcode, seq, req, result, finish=None, keep=None, timeout=None, peer=-1, status=None
+):
     """Wait for one request and return ``result``: the blocking calls' fast path.
 
     Equivalent to ``PendingCollective(...).wait()`` without building the
     object unless the request is simulated or the deadline passes.
-    ``finish(result, keep)``, if given, runs on completion.
+    ``finish(result, keep)``, if given, runs on completion; ``status``, if
+    given, receives the request's status.
     """
     try:
-        if not req.Test():
+        if not req.Test(status):
             seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
             probe = (state, seq, _status.OPS[opcode]) if peer < 0 < seq else None
-            if type(req) is not _MPIRequest or not _spin(
-                req, None, time.monotonic() + seconds, probe
-            ):
+            simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)
+            if simulated or not _spin(req, status, time.monotonic() + seconds, probe):
+                statuses = None if status is None else (status,)
                 return PendingCollective(
-                    state, opcode, seq, (req,), result, finish, seconds, peer=peer, keep=keep
+                    state,
+                    opcode,
+                    seq,
+                    (req,),
+                    result,
+                    finish,
+                    seconds,
+                    statuses=statuses,
+                    peer=peer,
+                    keep=keep,
                 )._wait_rest(seconds)
     except MPI.Exception as exc:
         state.end(_status.FAILED)

@@ -28,6 +28,7 @@ Examples
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -387,7 +388,7 @@ def _broadcast(
     state = backend._state
     name = _status.OPS[opcode]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         root = check_rank(root, state.size, "root", name)
         x = as_input(x, name)
         dt = datatype_of(x, name)
@@ -651,7 +652,7 @@ def _all_to_all(
     state = backend._state
     name = _status.OPS[opcode]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         dt = datatype_of(x, name)
         _rows_divisible(x, state.size, name)
@@ -712,7 +713,13 @@ def all_to_all_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out
     return all_to_all(x, backend, out=out, timeout=timeout)
 
 
-def _splits(value, size: int, what: str, name: str) -> np.ndarray:
+def _splits(value, size: int, what: str, name: str) -> list[int]:
+    if (
+        type(value) in (list, tuple)
+        and len(value) == size
+        and all(type(c) is int and c >= 0 for c in value)
+    ):
+        return list(value)
     try:
         splits = np.asarray(value)
     except Exception:
@@ -722,7 +729,7 @@ def _splits(value, size: int, what: str, name: str) -> np.ndarray:
             f"{name}: {what} must be {size} non-negative integer row counts (one per rank), "
             f"got {value!r}"
         )
-    return splits.astype(np.int64)
+    return splits.astype(np.int64).tolist()
 
 
 def all_to_all_single_uneven(
@@ -787,15 +794,15 @@ def all_to_all_single_uneven(
     name = "all_to_all_single_uneven"
     size = state.size
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         dt = datatype_of(x, name)
         if x.ndim == 0:
             raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 of rows")
         send = _splits(send_splits, size, "send_splits", name)
-        if int(send.sum()) != x.shape[0]:
+        if sum(send) != x.shape[0]:
             raise InvalidArgument(
-                f"{name}: send_splits {send.tolist()} sum to {int(send.sum())} rows but the "
+                f"{name}: send_splits {send} sum to {sum(send)} rows but the "
                 f"input has {x.shape[0]} rows"
             )
         recv = None if recv_splits is None else _splits(recv_splits, size, "recv_splits", name)
@@ -803,13 +810,10 @@ def all_to_all_single_uneven(
         state.fail_before_start(opcode)
         raise
     row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
-    header = np.empty(2 * size + 2, dtype=np.int64)
-    header[:size] = send
-    header[size : 2 * size] = -1 if recv is None else recv
-    header[2 * size] = row
-    header[2 * size + 1] = ord(x.dtype.char)
+    expect = [-1] * size if recv is None else recv
+    header = np.array([*send, *expect, row, ord(x.dtype.char)], dtype=np.int64)
     table = np.empty((size, 2 * size + 2), dtype=np.int64)
-    hdt = datatype_of(header, name)
+    hdt = MPI.INT64_T
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
         req = state.comm.Iallgather([header, header.size, hdt], [table, header.size, hdt])
@@ -822,17 +826,17 @@ def all_to_all_single_uneven(
     if problems:
         state.end(_status.FAILED)
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
-    received = table[:, state.rank]  # rows each peer sends to this rank
+    received = table[:, state.rank].tolist()  # rows each peer sends to this rank
     try:
-        result, buf = output(out, (int(received.sum()), *x.shape[1:]), x.dtype, name)
+        result, buf = output(out, (sum(received), *x.shape[1:]), x.dtype, name)
     except FerrompiError:
         state.end(_status.FAILED)
         raise
     x = _separate(x, buf, out)
-    scounts = send * row
-    rcounts = received * row
-    sdispls = np.concatenate(([0], np.cumsum(scounts)[:-1]))
-    rdispls = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
+    scounts = [c * row for c in send]
+    rcounts = [c * row for c in received]
+    sdispls = [0, *itertools.accumulate(scounts[:-1])]
+    rdispls = [0, *itertools.accumulate(rcounts[:-1])]
     try:
         req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
     except MPI.Exception as exc:
@@ -844,16 +848,19 @@ def all_to_all_single_uneven(
 
 def _uneven_problems(table: np.ndarray, size: int, row_shape: tuple[int, ...]) -> list[str]:
     """Every disagreement in the gathered split tables, the same on every rank."""
+    rows = table[:, 2 * size : 2 * size + 2].tolist()  # [elements per row, dtype char]
+    if any(r != rows[0] for r in rows):
+        each = ", ".join(
+            f"rank {r}: {n} elements of {np.dtype(chr(code))}" for r, (n, code) in enumerate(rows)
+        )
+        return [f"ranks disagree on the row size or dtype (rows of {each})"]
+    splits = table[:, : 2 * size].tolist()  # per rank: send splits, then recv splits
     problems = []
-    rows, dtypes = table[:, 2 * size], table[:, 2 * size + 1]
-    if (rows != rows[0]).any() or (dtypes != dtypes[0]).any():
-        for r in range(size):
-            problems.append(f"rank {r}: {int(rows[r])} elements of {np.dtype(chr(dtypes[r]))}")
-        return ["ranks disagree on the row size or dtype (rows of " + ", ".join(problems) + ")"]
     for dst in range(size):
+        expects = splits[dst]
         for src in range(size):
-            sent = int(table[src, dst])
-            expected = int(table[dst, size + src])
+            sent = splits[src][dst]
+            expected = expects[size + src]
             if expected >= 0 and expected != sent:
                 problems.append(
                     f"rank {src} sends {sent} rows to rank {dst}, which expects {expected} "
@@ -879,7 +886,7 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
     state = backend._state
     opcode = _OP["barrier"]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -953,7 +960,7 @@ def all_gather_v(
     name = "all_gather_v"
     size = state.size
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         datatype_of(x, name)
         if x.ndim == 0:
@@ -1022,7 +1029,7 @@ def gather_rows(
     opcode = _OP["all_gather_v"]
     name = "all_gather_v"
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         counts = _row_counts(counts, state.size, name)
         if x.ndim == 0 or x.shape[0] != counts[state.rank]:
@@ -1082,7 +1089,7 @@ def reduce_scatter_v(
     opcode = _OP["reduce_scatter_v"]
     name = "reduce_scatter_v"
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         dt = datatype_of(x, name)
         mop, mean = mpi_op(op, x.dtype)
@@ -1146,7 +1153,7 @@ def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout 
     opcode = _OP["all_to_all_v"]
     name = "all_to_all_v"
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         x = as_input(x, name)
         dt = datatype_of(x, name)
         send = _row_counts(send, state.size, name)

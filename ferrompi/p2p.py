@@ -49,6 +49,8 @@ _TAG_UB: list[int] = []
 
 
 def _tag(tag, name: str) -> int:
+    if type(tag) is int and 0 <= tag <= 32767:  # MPI guarantees TAG_UB >= 32767
+        return tag
     if not _TAG_UB:
         _TAG_UB.append(int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)))
     if (
@@ -109,6 +111,36 @@ class _ProbedRecv:
         return True
 
 
+class _SendRecv:
+    """One request-like object over a receive and a send (``Test`` is True once both are done).
+
+    Each request is tested until it completes and never again, so the
+    receive's status is filled exactly once.
+    """
+
+    __slots__ = ("_recv", "_recv_done", "_send", "_send_done", "block_until")
+
+    def __init__(self, recv, send) -> None:
+        self._recv, self._send = recv, send
+        self._recv_done = self._send_done = False
+        simulated = getattr(recv, "block_until", None) is not None
+        self.block_until = self._block if simulated else None
+
+    def Test(self, status=None) -> bool:  # noqa: N802 - a request's name
+        if not self._recv_done:
+            self._recv_done = self._recv.Test(status)
+        if not self._send_done:
+            self._send_done = self._send.Test()
+        return self._recv_done and self._send_done
+
+    def _block(self, deadline: float, status=None) -> bool:
+        if not self._send_done:
+            self._send_done = self._send.block_until(deadline)
+        if not self._recv_done:
+            self._recv_done = self._recv.block_until(deadline, status)
+        return self._recv_done and self._send_done
+
+
 def _copy_back(result: np.ndarray, staged: np.ndarray) -> None:
     np.copyto(result, staged)
 
@@ -117,7 +149,7 @@ def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> Pend
     state = backend._state
     name = _status.OPS[opcode]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         src = _peer(state, src, name, "src")
         tag = _tag(tag, name)
         if not isinstance(out, np.ndarray):
@@ -143,6 +175,8 @@ def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> Pend
 
 
 def _shape(shape, name: str) -> tuple[int, ...]:
+    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape):
+        return shape
     try:
         dims = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
     except (TypeError, ValueError):
@@ -201,7 +235,7 @@ def _send(x, dst, backend: Backend, tag, timeout, blocking: bool):
     state = backend._state
     opcode = _OP["isend"]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         dst = _peer(state, dst, "send", "dst")
         tag = _tag(tag, "send")
         x = as_input(x, "send")
@@ -287,7 +321,7 @@ def irecv(
     state = backend._state
     opcode = _OP["irecv"]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         src = _peer(state, src, "irecv", "src")
         tag = _tag(tag, "irecv")
         result, buf = output(out, _shape(shape, "irecv"), _dtype(dtype, "irecv"), "irecv")
@@ -302,27 +336,32 @@ def irecv(
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error("irecv", exc) from None
-
-    def finish(result: np.ndarray, buf: np.ndarray) -> None:
-        got = status.Get_count(MPI.BYTE)
-        if got != buf.nbytes:
-            raise SizeMismatch(buf.size, got // buf.itemsize, "irecv")
-        if buf is not result:
-            np.copyto(result, buf)
-
     return PendingCollective(
         state,
         opcode,
         0,
         (req,),
         result,
-        finish,
+        _check_received,
         timeout,
         statuses=(status,),
         peer=src,
         expected=buf.size,
-        keep=buf,
+        keep=(buf, status, "irecv"),
     )
+
+
+def _check_received(result: np.ndarray, keep: tuple) -> None:
+    """After an ``Irecv``: the message filled the buffer exactly (else :class:`SizeMismatch`).
+
+    A larger message fails earlier, in MPI (truncation: ``got`` is then unknown).
+    """
+    buf, status, op = keep[:3]
+    got = status.Get_count(MPI.BYTE)
+    if got != buf.nbytes:
+        raise SizeMismatch(buf.size, got // buf.itemsize, op)
+    if buf is not result:
+        np.copyto(result, buf)
 
 
 def sendrecv(
@@ -330,8 +369,8 @@ def sendrecv(
 ) -> np.ndarray:
     """Send ``x`` to ``peer`` and receive ``peer``'s array of ``recv_shape`` (same dtype).
 
-    Both directions proceed together, so two ranks exchanging with each
-    other cannot deadlock.
+    Both directions proceed together (``Isendrecv``), so two ranks exchanging
+    with each other cannot deadlock.
 
     Returns
     -------
@@ -341,7 +380,10 @@ def sendrecv(
     Raises
     ------
     SizeMismatch
-        If the peer's message does not hold exactly ``prod(recv_shape)`` elements.
+        If the peer's message does not hold exactly ``prod(recv_shape)``
+        elements (the receive is posted before the send, straight into the
+        buffer, so a larger message reports ``got=None``; the message is
+        consumed either way).
 
     Examples
     --------
@@ -352,33 +394,29 @@ def sendrecv(
     state = backend._state
     opcode = _OP["sendrecv"]
     try:
-        timeout = timeout_seconds(timeout, backend._timeout)
+        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         peer = _peer(state, peer, "sendrecv", "peer")
         tag = _tag(tag, "sendrecv")
         x = as_input(x, "sendrecv")
         dt = datatype_of(x, "sendrecv")
         result, buf = output(out, _shape(recv_shape, "sendrecv"), x.dtype, "sendrecv")
+        if out is not None and np.may_share_memory(x, buf):
+            x = x.copy()  # MPI must not receive into what it is sending
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     state.begin(opcode, state.world_ranks[peer])
+    status = MPI.Status()
+    comm = state.comm
     try:
-        sreq = state.comm.Isend([x, x.size, dt], peer, tag)
+        req = _SendRecv(
+            comm.Irecv([buf, buf.size, dt], peer, tag), comm.Isend([x, x.size, dt], peer, tag)
+        )
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error("sendrecv", exc) from None
-    rreq = _ProbedRecv(state.comm, peer, tag, buf, dt, "sendrecv")
-    return PendingCollective(
-        state,
-        opcode,
-        0,
-        (rreq, sreq),
-        result,
-        None if buf is result else _copy_back,
-        timeout,
-        peer=peer,
-        keep=None if buf is result else buf,
-    ).wait()
+    keep = (buf, status, "sendrecv", x)
+    return complete(state, opcode, 0, req, result, _check_received, keep, timeout, peer, status)
 
 
 def recv_with_timeout(
