@@ -294,10 +294,12 @@ def allreduce_coalesced(
     """Reduce many arrays with one fused :func:`allreduce` per dtype.
 
     ``torch.distributed.all_reduce_coalesced``; Horovod calls it tensor
-    fusion. The arrays of each dtype are packed into one buffer (kept by the
-    backend and reused by later calls: one per dtype, the size of the largest
-    call), reduced with one collective, and unpacked. For many small arrays
-    this replaces one latency per array with one per dtype.
+    fusion. The arrays of each dtype are packed into one buffer, reduced with
+    one collective, and unpacked. For many small arrays this replaces one
+    latency per array with one per dtype. Without ``out=``, the results of
+    one dtype are views of one new array; with it, the packing buffer is
+    kept by the backend and reused by later calls (one per dtype, the size of
+    the largest call).
 
     Parameters
     ----------
@@ -341,17 +343,29 @@ def allreduce_coalesced(
         seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
         if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
             raise InvalidArgument(f"{name}: arrays must be a list or tuple of arrays")
-        xs = [as_input(a, name) for a in arrays]
-        for x in xs:
-            reduction(op, x.dtype, name)
-        if out is None:
-            results = [np.empty(x.shape, x.dtype) for x in xs]
-        else:
+        xs = [
+            x
+            if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative
+            else as_input(x, name)
+            for x in arrays
+        ]
+        for dtype in {x.dtype for x in xs}:
+            reduction(op, dtype, name)
+        targets = None
+        if out is not None:
             if isinstance(out, np.ndarray) or len(out) != len(xs):
                 raise InvalidArgument(
                     f"{name}: out must be a sequence of {len(xs)} arrays, one per input"
                 )
-            results = [output(o, x.shape, x.dtype, name)[0] for o, x in zip(out, xs, strict=True)]
+            targets = [
+                o
+                if type(o) is _ndarray
+                and o.shape == x.shape
+                and o.dtype == x.dtype
+                and o.flags.writeable
+                else output(o, x.shape, x.dtype, name)[0]
+                for o, x in zip(out, xs, strict=True)
+            ]
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -359,21 +373,24 @@ def allreduce_coalesced(
     groups: dict[np.dtype, list[int]] = {}
     for i, x in enumerate(xs):
         groups.setdefault(x.dtype, []).append(i)
+    results: list = [None] * len(xs)
     for dtype, members in groups.items():
-        total = sum(xs[i].size for i in members)
-        fused = state.fusion_buffer(dtype, total)
-        offset = 0
-        for i in members:
-            n = xs[i].size
-            fused[offset : offset + n] = xs[i].reshape(-1)
-            offset += n
+        flats = [xs[i].ravel() for i in members]
+        total = sum(f.size for f in flats)
+        # without out=, the fused buffer becomes the results (views of it)
+        fused = np.empty(total, dtype) if out is None else state.fusion_buffer(dtype, total)
+        np.concatenate(flats, out=fused)
         remaining = max(deadline - time.monotonic(), 1e-3)
         allreduce(fused, backend, op, out=fused, timeout=remaining)
         offset = 0
-        for i in members:
-            n = xs[i].size
-            np.copyto(results[i], fused[offset : offset + n].reshape(xs[i].shape))
-            offset += n
+        for i, flat in zip(members, flats, strict=True):
+            part = fused[offset : offset + flat.size].reshape(xs[i].shape)
+            offset += flat.size
+            if out is None:
+                results[i] = part
+            else:
+                results[i] = targets[i]
+                np.copyto(targets[i], part)
     return results
 
 

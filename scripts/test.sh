@@ -6,9 +6,10 @@
 # Creates .venv (if missing) with ferrompi and the MPICH wheel, then runs, in
 # order: ruff; the Sphinx docs build (warnings are errors); plain pytest (the
 # simulated backend); the MPI suites under `mpiexec -n 2`, `-n 3` and `-n 4`
-# with pytest-mpi. Every run has a timeout, so a hung rank fails the run
-# instead of stalling it: pytest-timeout per test (thread method, which can
-# interrupt a blocked MPI call) and MPIEXEC_TIMEOUT per mpiexec run.
+# with pytest-mpi; then a quick benchmark guard. Every run has a timeout, so
+# a hung rank fails the run instead of stalling it: pytest-timeout per test
+# (thread method, which can interrupt a blocked MPI call) and MPIEXEC_TIMEOUT
+# per mpiexec run.
 # All stages run; the script exits non-zero if any failed, on any rank.
 #
 # Environment: PYTHON (default python3), VENV (default .venv),
@@ -64,6 +65,11 @@ for n in $MPI_SIZES; do
   stage "pytest under mpiexec -n $n" env MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" \
     "$MPIEXEC" -n "$n" "${PYTEST[@]}" --with-mpi $PYTEST_ARGS tests
 done
+
+# A regression guard, not the performance target (docs/performance.md): fails
+# if allreduce at 1 MiB costs more than 1.5x raw mpi4py in the same run.
+stage "benchmark (quick)" env MPIEXEC_TIMEOUT=300 \
+  "$MPIEXEC" -n 2 "$PY" benchmarks/run.py --quick --check 1.5 --no-torch
 
 echo
 if [ ${#failed[@]} -gt 0 ]; then
