@@ -1,0 +1,157 @@
+"""Alpha-beta cost model of allreduce, fitted to benchmarks/run.py output, and a prediction.
+
+Usage::
+
+    python benchmarks/model.py run-2ranks.json run-4ranks.json [--nodes 64 --per-node 8]
+
+Each JSON file is ``benchmarks/run.py --json`` output that contains the
+``allreduce`` operation (ferrompi with its node engine above the
+threshold, and raw mpi4py, i.e. MPICH's own algorithms).
+
+The models (``p`` ranks, ``n`` bytes per rank; ``alpha`` a per-message
+latency, ``beta`` seconds per byte moved, ``gamma`` seconds per byte
+reduced):
+
+* **recursive doubling** (MPICH's choice for small messages):
+  ``T = ceil(log2 p) * (alpha + n * beta)``;
+* **reduce-scatter + allgather by recursive halving/doubling** (Rabenseifner,
+  MPICH's choice for large messages) and **ring**;
+* **ferrompi's node engine** (one node of ``L`` ranks): two flag barriers
+  per round and, per byte, one copy into the window, a share of the
+  reduction and one copy out: ``T = a_L + b_L * n``, fitted per ``L`` and
+  extrapolated linearly in ``L``;
+* **hierarchical** (ferrompi above its threshold, ``N`` nodes of ``L``
+  ranks): the node engine on ``n`` bytes, then, on each of the ``L`` rails,
+  a ring allreduce of ``n / L`` bytes among the ``N`` nodes.
+
+Across nodes, the ``L`` ranks of a node share one network link (latency
+``alpha_net``, ``beta_net`` seconds per byte): in recursive doubling and
+halving, the steps between nodes (the first ``log2 N`` of halving, with the
+ranks laid out node by node) carry every rank's data through it, so a node
+link moves about ``2 L n`` bytes per allreduce; a node-major ring moves
+``2 n`` bytes per link but takes ``2 (p - 1)`` latency-bound steps; the
+hierarchical rails move ``2 n`` bytes per node link in ``2 (N - 1)`` steps:
+
+* flat recursive doubling: ``log2 N (alpha_net + L n beta_net) + log2 L (alpha + n beta)``;
+* flat Rabenseifner: ``2 log2 p alpha_net + 2 L n (1 - 1/N) beta_net``;
+* flat ring: ``2 (p - 1) (alpha_net + n / p * beta_net)``;
+* hierarchical: ``a_L + b_L n + 2 (N - 1) (alpha_net + n / N * beta_net)``.
+
+Intra-node ``alpha``, ``beta + gamma`` and the engine's ``a_L``, ``b_L`` are
+fitted (least squares) on the measured medians. The network between nodes
+cannot be measured on one machine: ``--alpha-net`` and ``--bandwidth-net``
+state it (default: 2 us and 12.5 GB/s, a 100 Gb/s InfiniBand link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def load(paths: list[str]) -> dict[int, dict[str, dict[int, float]]]:
+    """ranks -> implementation -> bytes -> median seconds (allreduce rows)."""
+    data: dict[int, dict[str, dict[int, float]]] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        ranks = int(run["header"].split(" ranks,")[0].rsplit(", ", 1)[1])
+        for row in run["results"]:
+            if row["op"] != "allreduce":
+                continue
+            for impl, stats in row["stats"].items():
+                data.setdefault(ranks, {}).setdefault(impl, {})[row["bytes"]] = stats["median"]
+    return data
+
+
+def fit_line(points: dict[int, float], lo: int, hi: int) -> tuple[float, float]:
+    """Least-squares ``T = a + b n`` over sizes in ``[lo, hi]``; returns ``(a, b)``."""
+    sizes = np.array([n for n in points if lo <= n <= hi], dtype=float)
+    times = np.array([points[int(n)] for n in sizes])
+    if len(sizes) < 2:
+        raise SystemExit(f"need at least 2 sizes in [{lo}, {hi}] bytes, have {len(sizes)}")
+    b, a = np.polyfit(sizes, times, 1, w=1 / times)  # relative errors: every size counts
+    return max(a, 0.0), max(b, 1e-15)
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e6:9.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:9.2f} ms"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="benchmarks/run.py --json files")
+    parser.add_argument("--nodes", type=int, default=64)
+    parser.add_argument("--per-node", type=int, default=8)
+    parser.add_argument("--alpha-net", type=float, default=2e-6, help="seconds per message")
+    parser.add_argument("--bandwidth-net", type=float, default=12.5e9, help="bytes per second")
+    parser.add_argument("--threshold", type=int, default=256 * KiB, help="engine threshold")
+    args = parser.parse_args(argv)
+
+    data = load(args.runs)
+    print("fitted on this machine (medians of allreduce):")
+    intra = {}
+    engine = {}
+    for p, impls in sorted(data.items()):
+        mpi = impls["mpi4py"]
+        a_small, _ = fit_line(mpi, 0, 16 * KiB)
+        _, b_large = fit_line(mpi, MiB, 64 * MiB)
+        alpha = a_small / math.ceil(math.log2(p))
+        beta = b_large / (2 * (p - 1) / p)  # per byte moved (gamma folded in)
+        intra[p] = (alpha, beta)
+        fm = {n: t for n, t in impls["ferrompi"].items() if n >= args.threshold}
+        engine[p] = fit_line(fm, args.threshold, 64 * MiB)
+        print(
+            f"  {p} ranks: MPICH alpha {alpha * 1e6:.2f} us, beta {beta * 1e9:.3f} ns/B "
+            f"({1 / beta / 1e9:.1f} GB/s); ferrompi engine a_{p} {engine[p][0] * 1e6:.1f} us, "
+            f"b_{p} {engine[p][1] * 1e9:.3f} ns/B ({1 / engine[p][1] / 1e9:.1f} GB/s per rank)"
+        )
+
+    # the engine's per-byte cost grows with the node's rank count: extrapolate
+    # b_L linearly in L from the measured rank counts (a_L likewise).
+    ls = sorted(engine)
+    if len(ls) >= 2:
+        a_fit = np.polyfit(ls, [engine[L][0] for L in ls], 1)
+        b_fit = np.polyfit(ls, [engine[L][1] for L in ls], 1)
+    else:
+        a_fit = (0.0, engine[ls[0]][0])
+        b_fit = (0.0, engine[ls[0]][1])
+    per_node, nodes = args.per_node, args.nodes
+    a_node = max(np.polyval(a_fit, per_node), 0.0)
+    b_node = max(np.polyval(b_fit, per_node), 1e-15)
+    alpha_net, beta_net = args.alpha_net, 1 / args.bandwidth_net
+    total = nodes * per_node
+    print(
+        f"\nprediction for {nodes} nodes x {per_node} ranks ({total} ranks), network alpha "
+        f"{alpha_net * 1e6:g} us, {args.bandwidth_net / 1e9:g} GB/s per node link; "
+        f"engine extrapolated to {per_node} ranks: "
+        f"a {a_node * 1e6:.1f} us, b {b_node * 1e9:.3f} ns/B"
+    )
+    alpha, beta = intra[max(intra)]
+    print(
+        f"{'bytes':>10}{'rec. doubling':>15}{'Rabenseifner':>15}{'ring':>13}"
+        f"{'hierarchical':>15}   ferrompi uses"
+    )
+    log_n, log_l = math.log2(nodes), math.log2(per_node)
+    for n in (4, KiB, 64 * KiB, 256 * KiB, MiB, 16 * MiB, 64 * MiB):
+        doubling = log_n * (alpha_net + per_node * n * beta_net) + log_l * (alpha + n * beta)
+        halving = 2 * math.log2(total) * alpha_net + 2 * per_node * n * (1 - 1 / nodes) * beta_net
+        ring = 2 * (total - 1) * (alpha_net + n / total * beta_net)
+        hier = a_node + b_node * n + 2 * (nodes - 1) * (alpha_net + n / nodes * beta_net)
+        choice = (
+            "hierarchical (node engine + MPI rails)"
+            if n >= args.threshold
+            else "MPI (MPICH's choice: recursive doubling)"
+        )
+        print(
+            f"{n:>10}{fmt(doubling):>15}{fmt(halving):>15}{fmt(ring):>13}{fmt(hier):>15}   {choice}"
+        )
+
+
+if __name__ == "__main__":
+    main()
