@@ -2,11 +2,12 @@
 
 Every ferrompi operation starts MPI non-blocking calls and waits for them
 here. The wait loop calls ``Request.Test`` (which drives MPI's progress
-engine, as a blocking ``Wait`` would). After 16 unsuccessful tests it calls
-``sched_yield`` between tests, so that ranks sharing a core (more ranks
-than cores) hand it over at once, and it reads the clock once every 256
-tests to check the deadline. It never sleeps: MPI progresses only while some
-thread calls into it, so a sleeping rank would stall its peers.
+engine, as a blocking ``Wait`` would). When the node runs more ranks than
+there are cores, it calls ``sched_yield`` between tests after the first 16,
+so that ranks sharing a core hand it over at once (``_status.yield_after``);
+it reads the clock once every 256 tests to check the deadline. It never
+sleeps: MPI progresses only while some thread calls into it, so a sleeping
+rank would stall its peers.
 
 Cost model (measured here with MPICH, 2 cores): one ``Test`` costs about
 0.1-0.3 us, and ``sched_yield`` about 0.3 us when no other process waits for
@@ -259,20 +260,21 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
     """
     test = req.Test
     monotonic = time.monotonic
+    yield_after = _status.yield_after
     spins = 0
     next_probe = 0.0
     while not test(status):
         spins += 1
-        if spins > 16:
+        if spins > yield_after:
             os.sched_yield()
-            if not spins & 255:
-                now = monotonic()
-                if now > deadline:
-                    return False
-                if probe is not None and now >= next_probe:
-                    if next_probe:
-                        check_peers(*probe)
-                    next_probe = now + PROBE_INTERVAL
+        if not spins & 255:
+            now = monotonic()
+            if now > deadline:
+                return False
+            if probe is not None and now >= next_probe:
+                if next_probe:
+                    check_peers(*probe)
+                next_probe = now + PROBE_INTERVAL
     return True
 
 

@@ -62,6 +62,7 @@ import time
 
 import numpy as np
 
+from . import _status
 from ._mpi import MPI
 from .errors import InvalidArgument
 
@@ -213,6 +214,7 @@ class NodeEngine:
     def _wait(self, word: int, value: int, deadline: float, probe) -> None:
         """Until every rank's counter ``word`` reaches ``value`` (or :class:`PeerWait`)."""
         monotonic = time.monotonic
+        yield_after = _status.yield_after
         for f in self.flags:
             if f[word] >= value:
                 continue
@@ -220,16 +222,16 @@ class NodeEngine:
             next_probe = 0.0
             while f[word] < value:
                 spins += 1
-                if spins > 16:
+                if spins > yield_after:
                     os.sched_yield()
-                    if not spins & 255:
-                        now = monotonic()
-                        if now > deadline:
-                            raise PeerWait
-                        if probe is not None and now >= next_probe:
-                            if next_probe:
-                                probe()
-                            next_probe = now + 0.01
+                if not spins & 255:
+                    now = monotonic()
+                    if now > deadline:
+                        raise PeerWait
+                    if probe is not None and now >= next_probe:
+                        if next_probe:
+                            probe()
+                        next_probe = now + 0.01
         self.flag_win.Sync()
 
     def _post(self, word: int, value: int) -> None:

@@ -155,6 +155,25 @@ class Participant:
 _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
+#: Tests a ferrompi wait makes before it yields its core at every further
+#: test (``sched_yield``). 16 when this node runs more ranks than this process
+#: has cores (a spinning rank would hold a core its peer needs); otherwise
+#: never, as MPI's own blocking calls, so that a wait does not hand its core
+#: to unrelated processes. ``FERROMPI_YIELD=1``/``0`` forces either. Set
+#: when :func:`ferrompi.init` creates the node's board.
+yield_after = 16
+
+
+def _yield_after(node_ranks: int) -> int:
+    forced = os.environ.get("FERROMPI_YIELD", "").strip()
+    if forced in ("0", "1"):
+        return 16 if forced == "1" else 1 << 62
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return 16 if node_ranks > cores else 1 << 62
+
 
 def process_participant(create_board: bool = False) -> Participant:
     """The participant of this MPI process.
@@ -163,11 +182,12 @@ def process_participant(create_board: bool = False) -> Participant:
     :func:`ferrompi.init`) the record is placed on the node's shared board.
     Before that, the process writes into a private record no peer can read.
     """
-    global _PROCESS
+    global _PROCESS, yield_after
     with _PROCESS_LOCK:
         shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
         if create_board and not shared and MPI.COMM_WORLD.size > 1:
             _PROCESS = Participant(Board.for_mpi_world(), MPI.COMM_WORLD.rank, os.getpid())
+            yield_after = _yield_after(len(_PROCESS.board.rows))
         elif _PROCESS is None:
             rank = MPI.COMM_WORLD.rank
             _PROCESS = Participant(Board({rank: np.zeros(REC_WORDS, np.int64)}), rank, os.getpid())
