@@ -30,6 +30,13 @@ up to a multiple of the number of ranks where the operation splits it).
 neighbour ``rank ^ 1`` (ring neighbour for odd sizes);
 ``allreduce_coalesced`` reduces 100 arrays of 4 KiB, fused and as 100 calls.
 
+``--ops allreduce_cupy`` (not in the default list) is the GPU row: allreduce
+of cupy float32 arrays staged through pinned host memory (``cupy staged``)
+and, when ``fm.cuda_aware()`` says MPI takes device pointers, handed to it
+directly (``cupy CUDA-aware``, and raw ``mpi4py cupy``), beside the numpy
+``ferrompi`` and ``mpi4py`` calls. Rank ``r`` uses GPU ``r % device count``.
+Without cupy or a GPU it says why and measures nothing.
+
 ``--memory`` measures the peak resident memory each rank adds during a
 64 MiB allreduce (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``), for ferrompi with ``out=``, ferrompi returning a
@@ -70,6 +77,7 @@ OPS = [
     "async_all_to_all",
     "allreduce_coalesced",
 ]
+GPU_OPS = ["allreduce_cupy"]  # run only when asked for (--ops)
 IMPLS = ("ferrompi", "mpi4py", "gloo")
 
 
@@ -103,6 +111,7 @@ class Calls:
         self.p = world.world_size
         self.rank = world.rank
         self.dist = dist  # torch.distributed, or None
+        self.gpu_direct = False  # whether MPI takes device pointers (the GPU row)
 
     def _arrays(self, elements: int, out_elements: int | None = None):
         rng = np.random.default_rng(self.rank)
@@ -132,6 +141,34 @@ class Calls:
         if self.dist:
             t = self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_reduce(t)
+        return calls
+
+    def _allreduce_cupy(self, nbytes):
+        import cupy as cp
+
+        x, out = self._arrays(max(1, nbytes // 4))
+        dx, dout = cp.asarray(x), cp.asarray(out)
+        w, c = self.world, self.comm
+
+        def on_device(cuda_aware: bool):
+            def call():
+                fm.gpu.set_cuda_aware(cuda_aware)
+                fm.allreduce(dx, w, out=dout)
+
+            return call
+
+        def raw():
+            cp.cuda.get_current_stream().synchronize()
+            c.Allreduce(dx, dout, MPI.SUM)
+
+        calls = {
+            "ferrompi": lambda: fm.allreduce(x, w, out=out),
+            "mpi4py": lambda: c.Allreduce(x, out, MPI.SUM),
+            "cupy staged": on_device(False),
+        }
+        if self.gpu_direct:
+            calls["cupy CUDA-aware"] = on_device(True)
+            calls["mpi4py cupy"] = raw
         return calls
 
     def _async_allreduce(self, nbytes):
@@ -332,6 +369,26 @@ class Calls:
 # ---------------------------------------------------------------------------
 
 
+def gpu_unavailable(comm) -> str | None:
+    """Why the GPU row cannot run on every rank (``None``: it can; then each rank picks a GPU)."""
+    reason = None
+    try:
+        import cupy
+    except ImportError as exc:
+        reason = f"cupy cannot be imported ({exc}); pip install cupy-cuda12x"
+    else:
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            count, reason = 0, f"no usable CUDA device ({exc})"
+        if count:
+            cupy.cuda.Device(comm.rank % count).use()
+        elif reason is None:
+            reason = "no CUDA device"
+    reasons = [r for r in comm.allgather(reason) if r]
+    return reasons[0] if reasons else None
+
+
 def slowest(comm, seconds: float) -> float:
     return comm.allreduce(seconds, op=MPI.MAX)
 
@@ -497,9 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     reps, block_s = args.reps, args.block_ms / 1e3
     if args.quick:
         ops, sizes, reps, block_s = ["allreduce"], QUICK_SIZES, 5, min(block_s, 0.02)
-    unknown = [op for op in ops if op not in OPS]
+    unknown = [op for op in ops if op not in OPS + GPU_OPS]
     if unknown:
-        parser.error(f"unknown operations {unknown}; choose from {OPS}")
+        parser.error(f"unknown operations {unknown}; choose from {OPS + GPU_OPS}")
 
     world = fm.init()
     comm = world.comm.Dup()  # the raw calls' communicator (same ranks)
@@ -519,6 +576,14 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(1)
             dist = dist_module
     calls = Calls(world, dist)
+    if "allreduce_cupy" in ops:
+        reason = gpu_unavailable(comm)
+        if reason is not None:
+            ops = [op for op in ops if op != "allreduce_cupy"]
+            if world.rank == 0:
+                print(f"allreduce_cupy: not measured: {reason}", flush=True)
+        else:
+            calls.gpu_direct = fm.cuda_aware()
     # raw mpi4py uses its own duplicate: ferrompi's calls keep their communicator to themselves
     calls.comm = comm
 
@@ -543,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                 "stats": {k: summary(v) for k, v in samples.items()},
             }
             results.append(row)
+            if op in GPU_OPS:
+                fm.gpu.set_cuda_aware(None)  # the GPU row forced each path in turn
             if world.rank == 0:
                 med = {k: v["median"] for k, v in row["stats"].items()}
                 parts = "  ".join(f"{k} {fmt_time(v).strip()}" for k, v in med.items())

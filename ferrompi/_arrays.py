@@ -1,27 +1,74 @@
-"""Input and output arrays of collectives: contiguity, dtypes, ``out=`` checks.
+"""Input and output arrays of collectives: contiguity, dtypes, ``out=`` checks, devices.
 
 Contiguous native-order numpy inputs pass through untouched (zero copies);
 anything else is made contiguous once. Outputs are fresh arrays, or the
 caller's ``out``: written directly when it is C-contiguous, through one
 temporary otherwise.
+
+Device arrays (cupy, or any object with ``__cuda_array_interface__``) are
+handled here, at the boundary, so that every collective has one
+implementation: :func:`as_input` hands MPI the device array itself when the
+MPI library is CUDA-aware, else a pinned host copy; :func:`output` allocates
+a cupy result on the input's device, with a pinned host buffer for MPI to
+write when staging, and :func:`copy_into` (the finish step) copies that
+buffer to the device. Before MPI touches a device buffer, the streams that
+may still use it are synchronised (``docs/gpu.md``: the stream rule).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
+from . import gpu
 from ._dtypes import mpi_datatype
+from ._simcomm import SimComm
 from .errors import InvalidArgument
 
 _ndarray = np.ndarray
+_CAI = "__cuda_array_interface__"
 
 
-def as_input(x, op: str) -> np.ndarray:
-    """Return ``x`` as a C-contiguous array of native byte order."""
+def is_device(x) -> bool:
+    """True for a GPU array (an object with ``__cuda_array_interface__``)."""
+    return type(x) is not _ndarray and hasattr(x, _CAI)
+
+
+def array_module(x):
+    """``numpy``, or ``cupy`` for a device array: the functions that work on ``x``."""
+    return gpu.cupy_module("array_module") if is_device(x) else np
+
+
+def staged(comm) -> bool:
+    """Whether device buffers for ``comm`` go through host memory.
+
+    They do unless MPI is CUDA-aware (:func:`ferrompi.cuda_aware`); the
+    in-process simulated communicator always stages.
+    """
+    return type(comm) is SimComm or not gpu.cuda_aware()
+
+
+def as_input(x, op: str, comm=None):
+    """Return ``x`` as a C-contiguous array of native byte order.
+
+    Parameters
+    ----------
+    x : array_like
+        A numpy array, anything ``numpy.asarray`` takes, or a device array.
+    op : str
+        The operation, for error messages.
+    comm : optional
+        The communicator the array is for. Without it, a device array comes
+        back as a C-contiguous cupy array on its device. With it, the streams
+        that may still write a device array are synchronised, and it comes
+        back as a C-contiguous cupy array if MPI takes device buffers on
+        ``comm``, else as a copy in pinned host memory (:func:`staged`).
+    """
     if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative:
         return x
-    if hasattr(x, "__cuda_array_interface__"):
-        raise InvalidArgument(f"{op}: GPU arrays are not supported by this collective path yet")
+    if hasattr(x, _CAI):
+        return _device_input(x, op, comm)
     try:
         arr = np.asarray(x)
     except Exception as exc:  # ragged lists and the like
@@ -33,7 +80,25 @@ def as_input(x, op: str) -> np.ndarray:
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-def datatype_of(arr: np.ndarray, op: str):
+def _device_input(x, op: str, comm):
+    arr = gpu.as_cupy(x, op)
+    if arr.dtype.kind not in "biufc":
+        raise InvalidArgument(f"{op}: dtype {arr.dtype} is not supported (numeric or bool only)")
+    if comm is not None:
+        gpu.wait_for_producers(x)
+        if staged(comm):
+            host = gpu.pinned_pool().empty(arr.shape, arr.dtype)
+            gpu.to_host(arr, host)
+            return host
+    if not arr.flags.c_contiguous:
+        with arr.device:
+            arr = arr.copy(order="C")
+    if comm is not None:
+        gpu.sync_current(arr)
+    return arr
+
+
+def datatype_of(arr, op: str):
     """The MPI datatype of ``arr``'s dtype, or ``InvalidArgument`` naming ``op``."""
     try:
         return mpi_datatype(arr.dtype)
@@ -41,32 +106,133 @@ def datatype_of(arr: np.ndarray, op: str):
         raise InvalidArgument(f"{op}: {exc}") from None
 
 
-def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(result, buffer)``: what the call returns and where MPI writes.
-
-    ``buffer`` is ``result`` unless ``out`` is not C-contiguous; then the
-    caller copies ``buffer`` into ``result`` on completion.
+def check_out(out, shape: tuple[int, ...], dtype: np.dtype, op: str):
+    """Return ``out`` if it can receive a result of ``shape`` and ``dtype``.
 
     Raises
     ------
     InvalidArgument
-        If ``out`` is not a writable numpy array of exactly ``shape`` and ``dtype``.
+        If ``out`` is not a writable numpy array or a cupy array of exactly
+        ``shape`` and ``dtype``.
     """
-    if out is None:
-        result = np.empty(shape, dtype)
-        return result, result
     if not isinstance(out, _ndarray):
-        raise InvalidArgument(f"{op}: out must be a numpy array, not {type(out).__name__}")
+        if not is_device(out) or not isinstance(out, gpu.cupy_module(op).ndarray):
+            raise InvalidArgument(
+                f"{op}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
+            )
     if out.shape != shape or out.dtype != dtype:
         raise InvalidArgument(
             f"{op}: out has shape {out.shape} and dtype {out.dtype}; "
             f"expected shape {shape} and dtype {dtype}"
         )
-    if not out.flags.writeable:
+    if isinstance(out, _ndarray) and not out.flags.writeable:
         raise InvalidArgument(f"{op}: out is read-only")
-    if out.flags.c_contiguous:
-        return out, out
-    return out, np.empty(shape, dtype)
+    return out
+
+
+def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str, like=None, comm=None):
+    """Return ``(result, buffer)``: what the call returns and where MPI writes.
+
+    ``result`` is ``out``, or a new array: numpy, or cupy on the device of
+    ``like`` (the caller's input) when that is a device array. ``buffer`` is
+    ``result`` unless ``result`` is not C-contiguous, or is on a device that
+    MPI cannot write on ``comm`` (then ``buffer`` is pinned host memory); the
+    caller then copies ``buffer`` into ``result`` on completion
+    (:func:`copy_into`). Before a device ``buffer`` is handed back, cupy's
+    current stream is synchronised, so no earlier kernel still uses it.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``out`` is not a writable numpy array, or a cupy array, of exactly
+        ``shape`` and ``dtype``.
+    """
+    if out is None:
+        if type(like) is _ndarray or like is None or not hasattr(like, _CAI):
+            result = np.empty(shape, dtype)
+            return result, result
+        result = gpu.device_empty(shape, dtype, gpu.as_cupy(like, op))
+    elif isinstance(out, _ndarray):
+        if out.shape != shape or out.dtype != dtype or not out.flags.writeable:
+            check_out(out, shape, dtype, op)  # raises, saying which
+        if out.flags.c_contiguous:
+            return out, out
+        return out, np.empty(shape, dtype)
+    else:
+        result = check_out(out, shape, dtype, op)
+    if staged(comm):
+        return result, gpu.pinned_pool().empty(shape, dtype)
+    buf = result if result.flags.c_contiguous else gpu.device_empty(shape, dtype, result)
+    gpu.sync_current(buf)
+    return result, buf
+
+
+def copy_into(dst, src) -> None:
+    """Copy ``src`` into ``dst``, host or device, either way; returns once it is there."""
+    if isinstance(dst, _ndarray):
+        if isinstance(src, _ndarray):
+            np.copyto(dst, src)
+        else:
+            gpu.to_host(src, dst)
+    elif isinstance(src, _ndarray):
+        gpu.to_device(src, dst)
+    else:
+        with dst.device:
+            dst[...] = src
+
+
+def overlaps(a, b) -> bool:
+    """Whether ``a`` and ``b`` may share memory (never across host and device)."""
+    if isinstance(a, _ndarray) is not isinstance(b, _ndarray):
+        return False
+    return bool(array_module(a).may_share_memory(a, b))
+
+
+def host_tree(tree: Mapping, copy: bool) -> tuple[Mapping, list]:
+    """``tree`` with its device arrays on the host, for code that only reads host memory.
+
+    Walks nested mappings; each device array, and each DTensor whose local
+    array is on a device, is replaced by a host counterpart: a copy of its
+    data with ``copy=True`` (saving), an uninitialised array of its shape and
+    dtype otherwise (loading into it). A tree without device arrays comes
+    back as the same object.
+
+    Returns
+    -------
+    (tree, pairs)
+        The host tree, and the ``(device array, host array)`` pairs; after
+        filling the host arrays, ``copy_into(device, host)`` puts them back.
+    """
+    from .dtensor import DTensor
+
+    pairs: list = []
+
+    def host(a):
+        arr = gpu.as_cupy(a, "checkpoint")
+        h = np.empty(arr.shape, arr.dtype)
+        if copy:
+            gpu.wait_for_producers(a)
+            gpu.to_host(arr, h)
+        pairs.append((arr, h))
+        return h
+
+    def walk(node: Mapping) -> Mapping:
+        changed = {}
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                new = walk(value)
+            elif isinstance(value, DTensor) and is_device(value.to_local()):
+                local = host(value.to_local())
+                new = DTensor(local, value.mesh, value.placements, value.shape)
+            elif is_device(value):
+                new = host(value)
+            else:
+                continue
+            if new is not value:
+                changed[key] = new
+        return {**node, **changed} if changed else node
+
+    return walk(tree), pairs
 
 
 def check_rank(value, world_size: int, what: str, op: str) -> int:

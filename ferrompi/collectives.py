@@ -9,6 +9,11 @@ C-contiguous inputs), completed under the deadline by
 :class:`~ferrompi.PendingCollective`. The ``async_*`` forms return that
 object instead of waiting.
 
+Device arrays (cupy, or any object with ``__cuda_array_interface__``) are
+accepted wherever numpy arrays are, and give cupy results on the input's
+device: straight to MPI when it is CUDA-aware, else staged through pinned
+host memory (``docs/gpu.md``; handled in :mod:`ferrompi._arrays`).
+
 Bad input raises before any communication: :class:`~ferrompi.InvalidRank`
 for a root outside the group, :class:`~ferrompi.InvalidArgument` for shapes,
 splits or dtypes that do not fit, :class:`~ferrompi.UnsupportedOp` for a
@@ -29,6 +34,7 @@ Examples
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -36,7 +42,16 @@ from datetime import timedelta
 import numpy as np
 
 from . import _shm, _status
-from ._arrays import as_input, check_rank, datatype_of, output
+from ._arrays import (
+    array_module,
+    as_input,
+    check_out,
+    check_rank,
+    copy_into,
+    datatype_of,
+    output,
+    overlaps,
+)
 from ._dtypes import mpi_op, reduction
 from ._mpi import MPI
 from ._progress import (
@@ -84,13 +99,14 @@ _OP = _status.OPCODE
 _ndarray = np.ndarray
 
 
-def _finish_output(result: np.ndarray, keep: tuple) -> None:
-    """Divide a MEAN and/or copy a staged result into the caller's ``out``."""
+def _finish_output(result, keep: tuple) -> None:
+    """Divide a MEAN and/or copy a staged result into the caller's ``out`` (or device)."""
     buf, divisor, _inputs = keep
     if divisor:
-        np.true_divide(buf, divisor, out=buf, casting="unsafe")
+        xp = np if type(buf) is _ndarray else array_module(buf)
+        xp.true_divide(buf, divisor, out=buf, casting="unsafe")
     if buf is not result:
-        np.copyto(result, buf)
+        copy_into(result, buf)
 
 
 def _conclude(blocking, state, opcode, seq, req, result, buf, divisor, inputs, timeout, backend):
@@ -112,9 +128,9 @@ def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np
     """
     if out is None or (in_place and buf is x):
         return x
-    if np.may_share_memory(x, buf):
-        return x.copy()
-    return x
+    if type(x) is _ndarray and type(buf) is _ndarray:
+        return x.copy() if np.may_share_memory(x, buf) else x
+    return x.copy() if overlaps(x, buf) else x
 
 
 def _node_engine(backend: Backend, timeout: float) -> _shm.NodeEngine | None:
@@ -135,6 +151,11 @@ def _node_engine(backend: Backend, timeout: float) -> _shm.NodeEngine | None:
             engine = _shm.NodeEngine.create(state.comm) or False
         state.shm = engine
     return engine or None
+
+
+def _on_host(x, buf) -> bool:
+    """Whether both buffers are in host memory: device arrays never go to the node engine."""
+    return isinstance(x, _ndarray) and isinstance(buf, _ndarray)
 
 
 def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
@@ -161,11 +182,11 @@ def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
         raise mpi_error(op_name, exc) from None
 
 
-def _done_on_node(state, result, buf, divisor: int):
+def _done_on_node(state, result, buf: np.ndarray, divisor: int):
     if divisor:
         np.true_divide(buf, divisor, out=buf, casting="unsafe")
     if buf is not result:
-        np.copyto(result, buf)
+        copy_into(result, buf)  # the caller's out, or a device result of a staged input
     state.end(_status.DONE)
     return result
 
@@ -181,21 +202,23 @@ def _allreduce(
     state = backend._state
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
+        like = None  # the caller's x when it is not already MPI's buffer (a device array...)
         if type(x) is not _ndarray or not x.flags.c_contiguous or not x.dtype.isnative:
-            x = as_input(x, _status.OPS[opcode])
+            like = x
+            x = as_input(x, _status.OPS[opcode], state.comm)
         dtype = x.dtype
         dt, mop, mean = reduction(op, dtype, _status.OPS[opcode])
-        if out is None:
+        if out is None and like is None:
             result = buf = np.empty(x.shape, dtype)
         else:
-            result, buf = output(out, x.shape, dtype, _status.OPS[opcode])
+            result, buf = output(out, x.shape, dtype, _status.OPS[opcode], like, state.comm)
             x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     n = x.size
     divisor = state.size if mean else 0
-    if blocking and x.nbytes >= _shm.LIMITS["allreduce"]:
+    if blocking and x.nbytes >= _shm.LIMITS["allreduce"] and _on_host(x, buf):
         engine = _node_engine(backend, timeout)
         if engine is not None:
             seq = state.begin(opcode, -1, x.shape, dtype, op, -1, timeout)
@@ -227,14 +250,14 @@ def allreduce(
         The group.
     op : ReduceOp
         The reduction (default SUM). MEAN divides the sum by the group size.
-    out : numpy.ndarray, optional
+    out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result (shape and dtype of ``x``).
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         The reduction, shape and dtype of ``x``.
 
     Raises
@@ -299,7 +322,8 @@ def allreduce_coalesced(
     latency per array with one per dtype. Without ``out=``, the results of
     one dtype are views of one new array; with it, the packing buffer is
     kept by the backend and reused by later calls (one per dtype, the size of
-    the largest call).
+    the largest call). Device arrays of a dtype are fused on the device of
+    the first of them (a new buffer each call).
 
     Parameters
     ----------
@@ -310,7 +334,7 @@ def allreduce_coalesced(
         The group.
     op : ReduceOp
         The reduction (default SUM), applied to every array.
-    out : sequence of numpy.ndarray, optional
+    out : sequence of numpy.ndarray or cupy.ndarray, optional
         Where to write each result (one per array, its shape and dtype);
         ``out=arrays`` reduces in place.
     timeout : float or datetime.timedelta, optional
@@ -318,7 +342,7 @@ def allreduce_coalesced(
 
     Returns
     -------
-    list of numpy.ndarray
+    list of numpy.ndarray or cupy.ndarray
         The reductions, in the order of ``arrays``.
 
     Raises
@@ -343,10 +367,16 @@ def allreduce_coalesced(
         seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
         if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
             raise InvalidArgument(f"{name}: arrays must be a list or tuple of arrays")
+        on_device: dict[np.dtype, object] = {}  # dtype -> its first device array: fuse there
+
+        def prepare(x):
+            x = as_input(x, name)  # a device array stays on its device
+            if not isinstance(x, _ndarray):
+                on_device.setdefault(x.dtype, x)
+            return x
+
         xs = [
-            x
-            if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative
-            else as_input(x, name)
+            x if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative else prepare(x)
             for x in arrays
         ]
         for dtype in {x.dtype for x in xs}:
@@ -363,7 +393,7 @@ def allreduce_coalesced(
                 and o.shape == x.shape
                 and o.dtype == x.dtype
                 and o.flags.writeable
-                else output(o, x.shape, x.dtype, name)[0]
+                else check_out(o, x.shape, x.dtype, name)
                 for o, x in zip(out, xs, strict=True)
             ]
     except FerrompiError:
@@ -377,21 +407,34 @@ def allreduce_coalesced(
     for dtype, members in groups.items():
         flats = [xs[i].ravel() for i in members]
         total = sum(f.size for f in flats)
-        # without out=, the fused buffer becomes the results (views of it)
-        fused = np.empty(total, dtype) if out is None else state.fusion_buffer(dtype, total)
-        np.concatenate(flats, out=fused)
+        first = on_device.get(dtype)
+        if first is not None:
+            fused = _fuse_on_device(flats, first)
+        else:
+            # without out=, the fused buffer becomes the results (views of it)
+            fused = np.empty(total, dtype) if out is None else state.fusion_buffer(dtype, total)
+            np.concatenate(flats, out=fused)
         remaining = max(deadline - time.monotonic(), 1e-3)
         allreduce(fused, backend, op, out=fused, timeout=remaining)
         offset = 0
         for i, flat in zip(members, flats, strict=True):
             part = fused[offset : offset + flat.size].reshape(xs[i].shape)
             offset += flat.size
-            if out is None:
-                results[i] = part
-            else:
+            if out is not None:
                 results[i] = targets[i]
-                np.copyto(targets[i], part)
+                copy_into(targets[i], part)
+            elif first is None or not isinstance(xs[i], _ndarray):
+                results[i] = part
+            else:  # a host array fused with device arrays of its dtype: back to the host
+                results[i] = part.get()
     return results
+
+
+def _fuse_on_device(flats: list, first):
+    """The 1-D arrays ``flats`` (device or host) concatenated on the device of ``first``."""
+    cp = sys.modules["cupy"]
+    with first.device:
+        return cp.concatenate([cp.asarray(f) if isinstance(f, _ndarray) else f for f in flats])
 
 
 # ---------------------------------------------------------------------------
@@ -407,9 +450,9 @@ def _broadcast(
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         root = check_rank(root, state.size, "root", name)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt = datatype_of(x, name)
-        result, buf = output(out, x.shape, x.dtype, name)
+        result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
         x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
@@ -420,7 +463,7 @@ def _broadcast(
         if state.rank == root:
             req = state.comm.Ibcast([x, n, dt], root)
             if buf is not x:
-                np.copyto(buf, x)  # overlaps with the broadcast
+                copy_into(buf, x)  # overlaps with the broadcast
         else:
             req = state.comm.Ibcast([buf, n, dt], root)
     except MPI.Exception as exc:
@@ -443,14 +486,14 @@ def broadcast(
         The group.
     root : int
         The sending rank.
-    out : numpy.ndarray, optional
+    out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result; ``out=x`` broadcasts in place.
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         A copy of root's array.
 
     Raises
@@ -486,16 +529,16 @@ def _all_gather(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt = datatype_of(x, name)
         shape = (state.size * x.shape[0], *x.shape[1:]) if x.ndim else (state.size,)
-        result, buf = output(out, shape, x.dtype, name)
+        result, buf = output(out, shape, x.dtype, name, like, state.comm)
         x = _separate(x, buf, out)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     n = x.size
-    if blocking and x.nbytes >= _shm.LIMITS["all_gather"]:
+    if blocking and x.nbytes >= _shm.LIMITS["all_gather"] and _on_host(x, buf):
         engine = _node_engine(backend, timeout)
         if engine is not None and engine.rail is None:
             seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
@@ -520,14 +563,14 @@ def all_gather(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.
         counts as one row.
     backend : Backend
         The group.
-    out : numpy.ndarray, optional
+    out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result, shape ``(world_size * x.shape[0], ...)``.
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         Rank 0's rows, then rank 1's, ...
 
     Examples
@@ -574,17 +617,17 @@ def _reduce_scatter(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt, mop, mean = reduction(op, x.dtype, name)
         rows = _rows_divisible(x, state.size, name)
-        result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name)
+        result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name, like, state.comm)
         x = _separate(x, buf, out)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     count = buf.size
     divisor = state.size if mean else 0
-    if blocking and x.nbytes >= _shm.LIMITS["reduce_scatter"]:
+    if blocking and x.nbytes >= _shm.LIMITS["reduce_scatter"] and _on_host(x, buf):
         engine = _node_engine(backend, timeout)
         if engine is not None and engine.rail is None:
             seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
@@ -616,14 +659,14 @@ def reduce_scatter(
         The group.
     op : ReduceOp
         The reduction (default SUM).
-    out : numpy.ndarray, optional
+    out : numpy.ndarray or cupy.ndarray, optional
         Where to write the chunk, shape ``(x.shape[0] // world_size, ...)``.
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         This rank's chunk of the reduction.
 
     Raises
@@ -670,10 +713,10 @@ def _all_to_all(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt = datatype_of(x, name)
         _rows_divisible(x, state.size, name)
-        result, buf = output(out, x.shape, x.dtype, name)
+        result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
         x = _separate(x, buf, out)
     except FerrompiError:
         state.fail_before_start(opcode)
@@ -699,14 +742,14 @@ def all_to_all(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.
         ``x.shape[0]`` must divide by the world size.
     backend : Backend
         The group.
-    out : numpy.ndarray, optional
+    out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result (shape of ``x``).
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         Chunk ``j`` of the result is chunk ``rank`` of rank ``j``'s input.
 
     Examples
@@ -778,14 +821,14 @@ def all_to_all_single_uneven(
         ``world_size`` row counts, or ``None`` to take them from the peers.
     backend : Backend
         The group.
-    out : numpy.ndarray, optional
+    out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result, shape ``(sum(recv_splits), *x.shape[1:])``.
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         The rows received, from rank 0 first.
 
     Raises
@@ -812,7 +855,7 @@ def all_to_all_single_uneven(
     size = state.size
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt = datatype_of(x, name)
         if x.ndim == 0:
             raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 of rows")
@@ -845,7 +888,7 @@ def all_to_all_single_uneven(
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
     received = table[:, state.rank].tolist()  # rows each peer sends to this rank
     try:
-        result, buf = output(out, (sum(received), *x.shape[1:]), x.dtype, name)
+        result, buf = output(out, (sum(received), *x.shape[1:]), x.dtype, name, like, state.comm)
     except FerrompiError:
         state.end(_status.FAILED)
         raise
@@ -953,7 +996,7 @@ def all_gather_v(
 
     Returns
     -------
-    numpy.ndarray
+    numpy.ndarray or cupy.ndarray
         Every rank's rows, rank 0's first: shape ``(sum(counts), *x.shape[1:])``.
 
     Raises
@@ -978,7 +1021,7 @@ def all_gather_v(
     size = state.size
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         datatype_of(x, name)
         if x.ndim == 0:
             raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 of rows")
@@ -1007,7 +1050,7 @@ def all_gather_v(
     if problems:
         state.end(_status.FAILED)
         raise InvalidArgument(f"{name}: the ranks' rows do not fit: " + "; ".join(problems))
-    return _start_all_gather_v(state, opcode, seq, x, table[:, 0], timeout, True)
+    return _start_all_gather_v(backend, opcode, seq, x, table[:, 0], timeout, True, like)
 
 
 def _gather_problems(table: np.ndarray) -> list[str]:
@@ -1047,7 +1090,7 @@ def gather_rows(
     name = "all_gather_v"
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         counts = _row_counts(counts, state.size, name)
         if x.ndim == 0 or x.shape[0] != counts[state.rank]:
             raise InvalidArgument(
@@ -1058,29 +1101,29 @@ def gather_rows(
         state.fail_before_start(opcode)
         raise
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
-    return _start_all_gather_v(state, opcode, seq, x, counts, timeout, blocking)
+    return _start_all_gather_v(backend, opcode, seq, x, counts, timeout, blocking, like)
 
 
-def _start_all_gather_v(state, opcode, seq, x, counts, timeout, blocking: bool):
+def _start_all_gather_v(backend, opcode, seq, x, counts, timeout, blocking: bool, like):
+    state = backend._state
     name = "all_gather_v"
     try:
         dt = datatype_of(x, name)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
-        result = np.empty((int(counts.sum()), *x.shape[1:]), x.dtype)
+        shape = (int(counts.sum()), *x.shape[1:])
+        result, buf = output(None, shape, x.dtype, name, like, state.comm)
     except FerrompiError:
         state.end(_status.FAILED)
         raise
     rcounts = counts * row
     displs = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
     try:
-        req = state.comm.Iallgatherv([x, x.size, dt], [result, (rcounts, displs), dt])
+        req = state.comm.Iallgatherv([x, x.size, dt], [buf, (rcounts, displs), dt])
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, rcounts, displs)
-    if blocking:
-        return complete(state, opcode, seq, req, result, None, keep, timeout)
-    return PendingCollective(state, opcode, seq, (req,), result, None, timeout, keep=keep)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, keep, timeout, backend)
 
 
 def reduce_scatter_v(
@@ -1107,7 +1150,7 @@ def reduce_scatter_v(
     name = "reduce_scatter_v"
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt = datatype_of(x, name)
         mop, mean = mpi_op(op, x.dtype)
         counts = _row_counts(counts, state.size, name)
@@ -1117,20 +1160,21 @@ def reduce_scatter_v(
                 f"has {x.shape[0] if x.ndim else 0}"
             )
         row = int(np.prod(x.shape[1:], dtype=np.int64))
-        result = np.empty((int(counts[state.rank]), *x.shape[1:]), x.dtype)
+        shape = (int(counts[state.rank]), *x.shape[1:])
+        result, buf = output(None, shape, x.dtype, name, like, state.comm)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     rcounts = counts * row
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, op=op, timeout=timeout)
     try:
-        req = state.comm.Ireduce_scatter([x, x.size, dt], [result, result.size, dt], rcounts, mop)
+        req = state.comm.Ireduce_scatter([x, x.size, dt], [buf, buf.size, dt], rcounts, mop)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    finish = _finish_output if mean else None
-    keep = (result, state.size, (x, rcounts)) if mean else (x, rcounts)
-    return complete(state, opcode, seq, req, result, finish, keep, timeout)
+    divisor = state.size if mean else 0
+    keep = (x, rcounts)
+    return _conclude(True, state, opcode, seq, req, result, buf, divisor, keep, timeout, backend)
 
 
 def all_to_all_v(
@@ -1171,7 +1215,7 @@ def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout 
     name = "all_to_all_v"
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        x = as_input(x, name)
+        like, x = x, as_input(x, name, state.comm)
         dt = datatype_of(x, name)
         send = _row_counts(send, state.size, name)
         recv = _row_counts(recv, state.size, name)
@@ -1186,7 +1230,7 @@ def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout 
                 f"expects {int(recv[state.rank])}"
             )
         row = int(np.prod(x.shape[1:], dtype=np.int64))
-        result = np.empty((int(recv.sum()), *x.shape[1:]), x.dtype)
+        result, buf = output(None, (int(recv.sum()), *x.shape[1:]), x.dtype, name, like, state.comm)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -1195,9 +1239,9 @@ def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout 
     rdispls = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
-        req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [result, (rcounts, rdispls), dt])
+        req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, scounts, sdispls, rcounts, rdispls)
-    return complete(state, opcode, seq, req, result, None, keep, timeout)
+    return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout, backend)

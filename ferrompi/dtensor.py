@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import collectives
-from ._arrays import as_input
+from ._arrays import array_module, as_input
 from .errors import InvalidArgument
 from .mesh import DeviceMesh
 from .ops import ReduceOp
@@ -322,6 +322,7 @@ class DTensor:
         target = _normalize(placements, mesh, self.ndim)
         current = list(self._placements)
         local = self._local
+        xp = array_module(local)  # numpy, or cupy for a device array
         coords = mesh.get_coordinate()
         if target == tuple(current):
             return DTensor(local, mesh, target, self._shape)
@@ -355,12 +356,12 @@ class DTensor:
                 extent, k = local.shape[d], group.world_size
                 counts = [b - a for a, b in (chunk_range(extent, k, j) for j in range(k))]
                 if isinstance(current[m], Partial):
-                    moved = np.moveaxis(local, d, 0)
+                    moved = xp.moveaxis(local, d, 0)
                     part = collectives.reduce_scatter_v(moved, counts, group, current[m].op)
-                    local = np.ascontiguousarray(np.moveaxis(part, 0, d))
+                    local = xp.ascontiguousarray(xp.moveaxis(part, 0, d))
                 else:
                     a, b = chunk_range(extent, group.world_size, coords[m])
-                    local = np.ascontiguousarray(_slice(local, d, a, b))
+                    local = xp.ascontiguousarray(_slice(local, d, a, b))
             elif isinstance(goal, Partial):
                 local = _partition(local, goal.op, group.rank)
             current[m] = goal
@@ -379,9 +380,10 @@ class DTensor:
     def _gather(self, local: np.ndarray, placements, m: int, coords) -> np.ndarray:
         d = placements[m].dim
         counts = [b - a for a, b in (r[d] for r in self._member_ranges(placements, m, coords))]
-        moved = np.moveaxis(local, d, 0)
+        xp = array_module(local)
+        moved = xp.moveaxis(local, d, 0)
         gathered = collectives.gather_rows(moved, counts, self._mesh.get_group(m))
-        return np.ascontiguousarray(np.moveaxis(gathered, 0, d))
+        return xp.ascontiguousarray(xp.moveaxis(gathered, 0, d))
 
     def _shard_to_shard(self, local: np.ndarray, m: int, j: int, coords) -> np.ndarray:
         """Shard(i) -> Shard(j) along mesh dim ``m`` in one all-to-all."""
@@ -394,11 +396,12 @@ class DTensor:
         target[m] = Shard(j)
         after = self._member_ranges(target, m, coords)
         me = coords[m]
+        xp = array_module(local)
         # what I send to member r: my rows of dim i, member r's chunk of dim j
         pieces = []
         for r in range(k):
             a, b = after[r][j]
-            pieces.append(np.ascontiguousarray(_slice(local, j, a, b)).reshape(-1))
+            pieces.append(xp.ascontiguousarray(_slice(local, j, a, b)).reshape(-1))
         send_counts = [p.size for p in pieces]
         recv_shapes = []
         for s in range(k):
@@ -408,14 +411,14 @@ class DTensor:
             recv_shapes.append(tuple(shape))
         recv_counts = [math.prod(s) for s in recv_shapes]
         flat = collectives.exchange_rows(
-            np.concatenate(pieces) if pieces else local.reshape(-1)[:0],
+            xp.concatenate(pieces) if pieces else local.reshape(-1)[:0],
             send_counts,
             recv_counts,
             group,
         )
         offsets = np.concatenate(([0], np.cumsum(recv_counts)))
         parts = [flat[offsets[s] : offsets[s + 1]].reshape(recv_shapes[s]) for s in range(k)]
-        return np.ascontiguousarray(np.concatenate(parts, axis=i))
+        return xp.ascontiguousarray(xp.concatenate(parts, axis=i))
 
 
 def _to_gather(current, target) -> set[int]:
@@ -442,10 +445,11 @@ def _is_shard_swap(current, target, m: int) -> bool:
 
 def _partition(local: np.ndarray, op: ReduceOp, group_rank: int) -> np.ndarray:
     """Replicated data as a Partial(op): reducing the parts gives ``local`` back."""
+    xp = array_module(local)
     if op in (ReduceOp.SUM, ReduceOp.BXOR):
-        return local.copy() if group_rank == 0 else np.zeros_like(local)
+        return local.copy() if group_rank == 0 else xp.zeros_like(local)
     if op is ReduceOp.PRODUCT:
-        return local.copy() if group_rank == 0 else np.ones_like(local)
+        return local.copy() if group_rank == 0 else xp.ones_like(local)
     return local.copy()
 
 

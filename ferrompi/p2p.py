@@ -6,6 +6,10 @@ message that does not fit the receive buffer is reported exactly
 leaving the communicator clean. Every call runs under a timeout, like the
 collectives.
 
+Device (cupy) arrays can be sent, and received into with :func:`recv_into`
+or ``irecv(out=...)``; :func:`recv` and :func:`irecv` without ``out``
+return numpy arrays, having no input to take the kind from (``docs/gpu.md``).
+
 Examples
 --------
 >>> import numpy as np, ferrompi as fm
@@ -25,7 +29,7 @@ from datetime import timedelta
 import numpy as np
 
 from . import _status
-from ._arrays import as_input, check_rank, datatype_of, output
+from ._arrays import as_input, check_rank, copy_into, datatype_of, is_device, output, overlaps
 from ._mpi import MPI
 from ._progress import PendingCollective, complete, mpi_error, timeout_seconds
 from ._simcomm import SimComm
@@ -141,8 +145,8 @@ class _SendRecv:
         return self._recv_done and self._send_done
 
 
-def _copy_back(result: np.ndarray, staged: np.ndarray) -> None:
-    np.copyto(result, staged)
+def _copy_back(result, staged) -> None:
+    copy_into(result, staged)
 
 
 def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> PendingCollective:
@@ -152,9 +156,11 @@ def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> Pend
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         src = _peer(state, src, name, "src")
         tag = _tag(tag, name)
-        if not isinstance(out, np.ndarray):
-            raise InvalidArgument(f"{name}: out must be a numpy array, not {type(out).__name__}")
-        result, buf = output(out, out.shape, out.dtype, name)
+        if not isinstance(out, np.ndarray) and not is_device(out):
+            raise InvalidArgument(
+                f"{name}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
+            )
+        result, buf = output(out, out.shape, out.dtype, name, comm=state.comm)
         dt = datatype_of(buf, name)
     except FerrompiError:
         state.fail_before_start(opcode)
@@ -238,7 +244,7 @@ def _send(x, dst, backend: Backend, tag, timeout, blocking: bool):
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         dst = _peer(state, dst, "send", "dst")
         tag = _tag(tag, "send")
-        x = as_input(x, "send")
+        x = as_input(x, "send", state.comm)
         dt = datatype_of(x, "send")
     except FerrompiError:
         state.fail_before_start(opcode)
@@ -277,6 +283,8 @@ def recv(
     Returns
     -------
     numpy.ndarray
+        Always on the host; receive into device memory with :func:`recv_into`
+        or ``irecv(out=cupy_array)``.
 
     Raises
     ------
@@ -294,6 +302,9 @@ def recv_into(
     out: np.ndarray, src: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
 ) -> np.ndarray:
     """Receive from ``src`` into the caller's array ``out``, in place; returns ``out``.
+
+    ``out`` is a numpy array or a cupy array (then the data lands in device
+    memory: directly with a CUDA-aware MPI, else through pinned host memory).
 
     Raises
     ------
@@ -316,7 +327,8 @@ def irecv(
     """Post a receive (``Irecv``) now; ``.wait()`` returns the array.
 
     Posting early lets MPI deliver straight into the buffer. A message larger
-    than the buffer raises :class:`SizeMismatch` from ``wait``.
+    than the buffer raises :class:`SizeMismatch` from ``wait``. The result is
+    a new numpy array, or ``out`` (numpy or cupy, of ``shape`` and ``dtype``).
     """
     state = backend._state
     opcode = _OP["irecv"]
@@ -324,7 +336,8 @@ def irecv(
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         src = _peer(state, src, "irecv", "src")
         tag = _tag(tag, "irecv")
-        result, buf = output(out, _shape(shape, "irecv"), _dtype(dtype, "irecv"), "irecv")
+        shape, dtype = _shape(shape, "irecv"), _dtype(dtype, "irecv")
+        result, buf = output(out, shape, dtype, "irecv", comm=state.comm)
         dt = datatype_of(buf, "irecv")
     except FerrompiError:
         state.fail_before_start(opcode)
@@ -361,7 +374,7 @@ def _check_received(result: np.ndarray, keep: tuple) -> None:
     if got != buf.nbytes:
         raise SizeMismatch(buf.size, got // buf.itemsize, op)
     if buf is not result:
-        np.copyto(result, buf)
+        copy_into(result, buf)
 
 
 def sendrecv(
@@ -374,8 +387,9 @@ def sendrecv(
 
     Returns
     -------
-    numpy.ndarray
-        What ``peer`` sent, shape ``recv_shape``, dtype of ``x``.
+    numpy.ndarray or cupy.ndarray
+        What ``peer`` sent, shape ``recv_shape``, dtype of ``x``; the kind of
+        ``out``, else of ``x``.
 
     Raises
     ------
@@ -397,10 +411,11 @@ def sendrecv(
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         peer = _peer(state, peer, "sendrecv", "peer")
         tag = _tag(tag, "sendrecv")
-        x = as_input(x, "sendrecv")
+        like, x = x, as_input(x, "sendrecv", state.comm)
         dt = datatype_of(x, "sendrecv")
-        result, buf = output(out, _shape(recv_shape, "sendrecv"), x.dtype, "sendrecv")
-        if out is not None and np.may_share_memory(x, buf):
+        shape = _shape(recv_shape, "sendrecv")
+        result, buf = output(out, shape, x.dtype, "sendrecv", like, state.comm)
+        if out is not None and overlaps(x, buf):
             x = x.copy()  # MPI must not receive into what it is sending
     except FerrompiError:
         state.fail_before_start(opcode)
