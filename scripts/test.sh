@@ -5,7 +5,8 @@
 #
 # Creates .venv (if missing) with ferrompi and the MPICH wheel, then runs, in
 # order: ruff; the Sphinx docs build (warnings are errors); plain pytest (the
-# simulated backend); the MPI suites under `mpiexec -n 2`, `-n 3` and `-n 4`
+# simulated backend, and the Slurm tests on a Slurm that scripts/slurm-up.sh
+# starts here when it can); the MPI suites under `mpiexec -n 2`, `-n 3` and `-n 4`
 # with pytest-mpi; then a quick benchmark guard. Every run has a timeout, so
 # a hung rank fails the run instead of stalling it: pytest-timeout per test
 # (thread method, which can interrupt a blocked MPI call) and MPIEXEC_TIMEOUT
@@ -57,10 +58,38 @@ PY="$VENV/bin/python"
 MPIEXEC="$VENV/bin/mpiexec"
 PYTEST=("$PY" -m pytest -q --timeout="$TEST_TIMEOUT" --timeout-method=thread)
 
+system_packages() { # h5dump/h5ls (Debian hdf5-tools) for the checkpoint tests; never fails
+  command -v h5dump >/dev/null && command -v h5ls >/dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends hdf5-tools; } >/dev/null 2>&1 && return 0
+  fi
+  echo "hdf5-tools not installed (needs root and apt-get): the h5dump/h5ls tests will skip"
+}
+stage "system packages" system_packages
+
 stage "ruff" "$VENV/bin/ruff" check .
 stage "ruff format" "$VENV/bin/ruff" format --check .
 stage "docs" "$PY" -m sphinx -E -q -W --keep-going -b html docs docs/_build/html
+# A real Slurm for tests/test_slurm.py (scripts/slurm-up.sh; needs root and
+# apt-get, else those tests skip with its reason), stopped after the plain
+# run and, whatever happens, when this script exits.
+export FERROMPI_SLURM_DIR=${FERROMPI_SLURM_DIR:-/tmp/ferrompi-slurm}
+trap 'bash scripts/slurm-down.sh >/dev/null 2>&1' EXIT
+trap 'exit 130' INT TERM
+slurm_up() {
+  bash scripts/slurm-down.sh >/dev/null # daemons of an earlier run that was killed
+  local status=0
+  bash scripts/slurm-up.sh || status=$?
+  if [ "$status" = 2 ]; then
+    echo "Slurm unavailable ($(cat "$FERROMPI_SLURM_DIR/unavailable")): the Slurm tests skip"
+    return 0
+  fi
+  return "$status"
+}
+stage "slurm up" slurm_up
 stage "pytest (simulated backend)" "${PYTEST[@]}" $PYTEST_ARGS tests
+stage "slurm down" bash scripts/slurm-down.sh
 for n in $MPI_SIZES; do
   stage "pytest under mpiexec -n $n" env MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" \
     "$MPIEXEC" -n "$n" "${PYTEST[@]}" --with-mpi $PYTEST_ARGS tests

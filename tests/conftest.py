@@ -4,7 +4,11 @@
   the ``group`` fixture run on simulated groups of 1, 2, 3 and 4 ranks.
 * ``mpiexec -n N python -m pytest --with-mpi``: only tests marked ``mpi`` or
   taking ``group`` (then run on the world of N ranks); tests marked
-  ``mpi(min_size=k)`` with ``k > N`` are deselected, not skipped.
+  ``mpi(min_size=k)`` with ``k > N`` are deselected, not skipped. Every test
+  kept is marked ``fm_collective`` (ferrompi's pytest plugin,
+  ``ferrompi/pytest_plugin.py``): a failure on one rank fails the test on
+  every rank as ``rank R failed: ...`` with that rank's traceback in rank 0's
+  report, and a test that hangs past the plugin's watchdog aborts the job.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+
+import pytest
 
 os.environ.setdefault("FERROMPI_TIMEOUT", "30")  # read by ferrompi at import
 # Timeouts dump flight records; keep them out of the working tree.
@@ -68,6 +74,7 @@ def pytest_collection_modifyitems(config, items):
             elif marker is not None and marker.kwargs.get("min_size", 1) > size:
                 drop.append(item)
             else:
+                item.add_marker(pytest.mark.fm_collective)
                 keep.append(item)
     else:
         for item in items:
