@@ -17,104 +17,114 @@ array([4., 4.])
 
 from __future__ import annotations
 
-from . import models as models
-from . import parallel as parallel
-from ._flight import dump_flight_record, flight_record
-from ._progress import DEFAULT_COLLECTIVE_TIMEOUT, PendingCollective
-from .backend import (
-    Backend,
-    MPIBackend,
-    SimulatedBackend,
-    abort,
-    cuda_aware,
-    init,
-    is_gloo_available,
-    is_initialized,
-    is_mpi_available,
-    is_nccl_available,
-    is_ucc_available,
-)
-from .checkpoint import (
-    AsyncCheckpointer,
-    CheckpointFuture,
-    ShardMetadata,
-    TensorShardSpec,
-    async_save,
-    flat_shard_metadata,
-    load_distributed,
-    load_distributed_into,
-    reshard,
-    save_distributed,
-    verify_checkpoint,
-)
-from .collectives import (
-    all_gather,
-    all_gather_v,
-    all_gather_with_timeout,
-    all_to_all,
-    all_to_all_single_uneven,
-    all_to_all_v,
-    all_to_all_with_timeout,
-    allreduce,
-    allreduce_coalesced,
-    allreduce_with_timeout,
-    async_all_gather,
-    async_all_to_all,
-    async_allreduce,
-    async_broadcast,
-    async_reduce_scatter,
-    barrier,
-    broadcast,
-    reduce_scatter,
-    reduce_scatter_tensor,
-    reduce_scatter_v,
-    reduce_scatter_with_timeout,
-)
-from .debug import is_debug, set_debug
-from .dtensor import DTensor, Partial, Placement, Replicate, Shard, chunk_range, distribute_tensor
-from .errors import (
-    AsyncCheckpointFailed,
-    BackendUnavailable,
-    CheckpointInvalidArgument,
-    CheckpointIOError,
-    CheckpointMetadataError,
-    CheckpointSerializationError,
-    CheckpointTensorError,
-    CollectiveTimeout,
-    CommunicationError,
-    DistCheckpointError,
-    DistributedError,
-    FerrompiError,
-    FunctionNotFound,
-    InvalidArgument,
-    InvalidRank,
-    InvalidWorldSize,
-    MissingShard,
-    NoConnection,
-    RemoteError,
-    RpcError,
-    RpcTimeout,
-    SelfSend,
-    SizeMismatch,
-    UnsupportedOp,
-)
-from .excepthook import install_excepthook
-from .groups import SubBackend, new_group
-from .launch import LaunchInfo, launch_info
-from .mesh import DeviceMesh, init_device_mesh
-from .ops import ReduceOp
-from .p2p import (
-    irecv,
-    isend,
-    recv,
-    recv_into,
-    recv_into_with_timeout,
-    recv_with_timeout,
-    send,
-    sendrecv,
-)
+import importlib
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it. Modules load on first use
+# (PEP 562), so that `import ferrompi` (and the pytest plugin that pytest
+# loads in every run) neither imports h5py nor initialises MPI.
+_EXPORTS = {
+    "Backend": ".backend",
+    "MPIBackend": ".backend",
+    "SimulatedBackend": ".backend",
+    "abort": ".backend",
+    "cuda_aware": ".backend",
+    "init": ".backend",
+    "is_gloo_available": ".backend",
+    "is_initialized": ".backend",
+    "is_mpi_available": ".backend",
+    "is_nccl_available": ".backend",
+    "is_ucc_available": ".backend",
+    "AsyncCheckpointer": ".checkpoint",
+    "CheckpointFuture": ".checkpoint",
+    "ShardMetadata": ".checkpoint",
+    "TensorShardSpec": ".checkpoint",
+    "async_save": ".checkpoint",
+    "flat_shard_metadata": ".checkpoint",
+    "load_distributed": ".checkpoint",
+    "load_distributed_into": ".checkpoint",
+    "reshard": ".checkpoint",
+    "save_distributed": ".checkpoint",
+    "verify_checkpoint": ".checkpoint",
+    "all_gather": ".collectives",
+    "all_gather_v": ".collectives",
+    "all_gather_with_timeout": ".collectives",
+    "all_to_all": ".collectives",
+    "all_to_all_single_uneven": ".collectives",
+    "all_to_all_v": ".collectives",
+    "all_to_all_with_timeout": ".collectives",
+    "allreduce": ".collectives",
+    "allreduce_coalesced": ".collectives",
+    "allreduce_with_timeout": ".collectives",
+    "async_all_gather": ".collectives",
+    "async_all_to_all": ".collectives",
+    "async_allreduce": ".collectives",
+    "async_broadcast": ".collectives",
+    "async_reduce_scatter": ".collectives",
+    "barrier": ".collectives",
+    "broadcast": ".collectives",
+    "reduce_scatter": ".collectives",
+    "reduce_scatter_tensor": ".collectives",
+    "reduce_scatter_v": ".collectives",
+    "reduce_scatter_with_timeout": ".collectives",
+    "AsyncCheckpointFailed": ".errors",
+    "BackendUnavailable": ".errors",
+    "CheckpointInvalidArgument": ".errors",
+    "CheckpointIOError": ".errors",
+    "CheckpointMetadataError": ".errors",
+    "CheckpointSerializationError": ".errors",
+    "CheckpointTensorError": ".errors",
+    "CollectiveTimeout": ".errors",
+    "CommunicationError": ".errors",
+    "DistCheckpointError": ".errors",
+    "DistributedError": ".errors",
+    "FerrompiError": ".errors",
+    "FunctionNotFound": ".errors",
+    "InvalidArgument": ".errors",
+    "InvalidRank": ".errors",
+    "InvalidWorldSize": ".errors",
+    "MissingShard": ".errors",
+    "NoConnection": ".errors",
+    "RemoteError": ".errors",
+    "RpcError": ".errors",
+    "RpcTimeout": ".errors",
+    "SelfSend": ".errors",
+    "SizeMismatch": ".errors",
+    "UnsupportedOp": ".errors",
+    "irecv": ".p2p",
+    "isend": ".p2p",
+    "recv": ".p2p",
+    "recv_into": ".p2p",
+    "recv_into_with_timeout": ".p2p",
+    "recv_with_timeout": ".p2p",
+    "send": ".p2p",
+    "sendrecv": ".p2p",
+    "dump_flight_record": "._flight",
+    "flight_record": "._flight",
+    "DEFAULT_COLLECTIVE_TIMEOUT": "._progress",
+    "PendingCollective": "._progress",
+    "is_debug": ".debug",
+    "set_debug": ".debug",
+    "DTensor": ".dtensor",
+    "Partial": ".dtensor",
+    "Placement": ".dtensor",
+    "Replicate": ".dtensor",
+    "Shard": ".dtensor",
+    "chunk_range": ".dtensor",
+    "distribute_tensor": ".dtensor",
+    "install_excepthook": ".excepthook",
+    "SubBackend": ".groups",
+    "new_group": ".groups",
+    "LaunchInfo": ".launch",
+    "launch_info": ".launch",
+    "DeviceMesh": ".mesh",
+    "init_device_mesh": ".mesh",
+    "ReduceOp": ".ops",
+}
+#: Public submodules, also loaded on first use.
+_SUBMODULES = frozenset({"models", "parallel", "rpc", "gpu"})
+
 
 __all__ = [
     # backends
@@ -221,3 +231,18 @@ __all__ = [
     "CheckpointMetadataError",
     "AsyncCheckpointFailed",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ferrompi' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_SUBMODULES})

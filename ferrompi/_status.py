@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._flight import FlightRecorder
+from . import _flight
 from ._mpi import MPI
 
 # Operation codes: positions in this tuple. The tuple is the same in every
@@ -131,7 +131,7 @@ class Participant:
         self.row = board.rows[world_rank]
         self.rec = memoryview(self.row)
         self.rec[PID] = pid
-        self.flight = FlightRecorder()
+        self.flight = _flight.FlightRecorder()
         self._created: dict[tuple[int, ...], int] = {}
         self._next_slot = 0
         self._lock = threading.Lock()

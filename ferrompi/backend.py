@@ -33,7 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _status, launch
+from . import (
+    _status,
+    excepthook,  # noqa: F401 - importing it registers the exit handler
+    launch,
+)
 from ._flight import dump_participant
 from ._mpi import MPI, require_mpi
 from ._progress import CommState, PendingCollective, timeout_seconds
@@ -63,6 +67,11 @@ _STATES_LOCK = threading.Lock()
 
 def _comm_identity(comm) -> object:
     return ("sim", id(comm._shared)) if isinstance(comm, SimComm) else ("mpi", comm.handle)
+
+
+def _freed(comm) -> bool:
+    """Whether ``comm`` was freed (mpi4py sets a freed communicator to COMM_NULL)."""
+    return not isinstance(comm, SimComm) and comm == MPI.COMM_NULL
 
 
 def _world_ranks(comm) -> tuple[int, ...]:
@@ -114,7 +123,9 @@ class Backend:
         identity = (id(participant), _comm_identity(comm))
         with _STATES_LOCK:
             state = _STATES.get(identity)
-            if state is None:
+            if state is None or _freed(state.comm):
+                # MPI reuses a freed communicator's handle: a state kept alive
+                # (by a traceback, say) must not pass to the new communicator
                 state = CommState(comm, _world_ranks(comm), participant, seconds)
                 _STATES[identity] = state
         self._state = state

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import ferrompi as fm
-from ferrompi import gpu
 
 
 @pytest.mark.parametrize("n", [0, -1, -5, 1.5, True, "2"])
@@ -105,40 +100,3 @@ def test_init_is_idempotent_and_wraps_world():
     assert fm.is_initialized()
     assert (world.rank, world.world_size) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
     assert world.comm == MPI.COMM_WORLD
-
-
-def test_cuda_aware_asks_the_loaded_library():
-    path = gpu.mpi_library_path()
-    assert path is not None and "libmpi" in os.path.basename(path)
-    assert os.path.exists(path)
-    # PyPI's MPICH wheel is built without CUDA: the library itself says no.
-    assert gpu._ask_library() is False
-    assert isinstance(fm.cuda_aware(), bool)
-
-
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({"FERROMPI_CUDA_AWARE": "1"}, True),
-        ({"FERROMPI_CUDA_AWARE": "0", "MPICH_GPU_SUPPORT_ENABLED": "1"}, False),
-        ({"MPICH_GPU_SUPPORT_ENABLED": "1"}, True),
-        ({"MV2_USE_CUDA": "1"}, True),
-        ({}, False),
-    ],
-)
-def test_cuda_aware_environment(env, expected):
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("FERROMPI_CUDA_AWARE", "MPICH_GPU_SUPPORT_ENABLED", "MV2_USE_CUDA")
-    }
-    code = "import ferrompi as fm; print(fm.cuda_aware())"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert out.stdout.strip() == str(expected)
