@@ -208,13 +208,19 @@ class FunctionNotFound(RpcError):
 
 
 class RpcTimeout(RpcError, TimeoutError):
-    """A remote call did not answer before its deadline."""
+    """A remote call (or an RPC shutdown, ``what``) did not finish before its deadline."""
 
-    def __init__(self, seconds: float | None = None, name: str = "", rank: int | None = None):
+    def __init__(
+        self,
+        seconds: float | None = None,
+        name: str = "",
+        rank: int | None = None,
+        what: str = "RPC call",
+    ):
         self.seconds = seconds
         self.name = name
         self.rank = rank
-        text = "RPC call timed out"
+        text = f"{what} timed out"
         if name:
             text += f": {name!r}"
         if rank is not None:
