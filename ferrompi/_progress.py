@@ -2,9 +2,9 @@
 
 Every ferrompi operation starts MPI non-blocking calls and waits for them
 here. The wait loop calls ``Request.Test`` (which drives MPI's progress
-engine, as a blocking ``Wait`` would). When the node runs more ranks than
-there are cores, it calls ``sched_yield`` between tests after the first 16,
-so that ranks sharing a core hand it over at once (``_status.yield_after``);
+engine, as a blocking ``Wait`` would). After 512 tests (16 when the node
+runs more ranks than there are cores) it calls ``sched_yield`` between
+tests, so that a peer that needs the core gets it (``_status.yield_after``);
 it reads the clock once every 256 tests to check the deadline. It never
 sleeps: MPI progresses only while some thread calls into it, so a sleeping
 rank would stall its peers.

@@ -156,11 +156,13 @@ _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
 #: Tests a ferrompi wait makes before it yields its core at every further
-#: test (``sched_yield``). 16 when this node runs more ranks than this process
-#: has cores (a spinning rank would hold a core its peer needs); otherwise
-#: never, as MPI's own blocking calls, so that a wait does not hand its core
-#: to unrelated processes. ``FERROMPI_YIELD=1``/``0`` forces either. Set
-#: when :func:`ferrompi.init` creates the node's board.
+#: test (``sched_yield``): 16 when this node runs more ranks than this process
+#: has cores (a spinning rank would hold a core its peer needs), else 512
+#: (about 150 us): short waits spin, as MPI's own blocking calls do, and do not
+#: hand the core to unrelated processes; long ones yield, so that a peer the
+#: kernel descheduled (other load on the machine) gets a core to finish on.
+#: ``FERROMPI_YIELD=1``/``0`` forces 16 or never. Set when
+#: :func:`ferrompi.init` creates the node's board.
 yield_after = 16
 
 
@@ -172,7 +174,7 @@ def _yield_after(node_ranks: int) -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return 16 if node_ranks > cores else 1 << 62
+    return 16 if node_ranks > cores else 512
 
 
 def process_participant(create_board: bool = False) -> Participant:
