@@ -18,8 +18,12 @@ reduced):
   MPICH's choice for large messages) and **ring**;
 * **ferrompi's node engine** (one node of ``L`` ranks): two flag barriers
   per round and, per byte, one copy into the window, a share of the
-  reduction and one copy out: ``T = a_L + b_L * n``, fitted per ``L`` and
-  extrapolated linearly in ``L``;
+  reduction and one copy out: ``T = a_L + b_L * n``. ``a`` and ``b`` are
+  fitted on runs with no more ranks than cores (a run that oversubscribes
+  the cores measures time sharing, not the algorithm); for ``L`` ranks,
+  each on its own core, ``a_L = a * L / 2`` (the flag barriers visit every
+  rank) and ``b_L = max(b, 3 L / node_memory_bandwidth)`` (about three bytes
+  of memory traffic per byte and rank, until the node's memory saturates);
 * **hierarchical** (ferrompi above its threshold, ``N`` nodes of ``L``
   ranks): the node engine on ``n`` bytes, then, on each of the ``L`` rails,
   a ring allreduce of ``n / L`` bytes among the ``N`` nodes.
@@ -54,19 +58,21 @@ import numpy as np
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def load(paths: list[str]) -> dict[int, dict[str, dict[int, float]]]:
-    """ranks -> implementation -> bytes -> median seconds (allreduce rows)."""
+def load(paths: list[str]) -> tuple[dict[int, dict[str, dict[int, float]]], int]:
+    """ranks -> implementation -> bytes -> median seconds (allreduce rows), and the cores."""
     data: dict[int, dict[str, dict[int, float]]] = {}
+    cores = 0
     for path in paths:
         with open(path) as f:
             run = json.load(f)
         ranks = int(run["header"].split(" ranks,")[0].rsplit(", ", 1)[1])
+        cores = int(run["header"].split(" cores,")[0].rsplit(", ", 1)[1])
         for row in run["results"]:
             if row["op"] != "allreduce":
                 continue
             for impl, stats in row["stats"].items():
                 data.setdefault(ranks, {}).setdefault(impl, {})[row["bytes"]] = stats["median"]
-    return data
+    return data, cores
 
 
 def fit_line(points: dict[int, float], lo: int, hi: int) -> tuple[float, float]:
@@ -91,9 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alpha-net", type=float, default=2e-6, help="seconds per message")
     parser.add_argument("--bandwidth-net", type=float, default=12.5e9, help="bytes per second")
     parser.add_argument("--threshold", type=int, default=256 * KiB, help="engine threshold")
+    parser.add_argument(
+        "--node-memory-bandwidth", type=float, default=100e9, help="bytes per second per node"
+    )
     args = parser.parse_args(argv)
 
-    data = load(args.runs)
+    data, cores = load(args.runs)
     print("fitted on this machine (medians of allreduce):")
     intra = {}
     engine = {}
@@ -112,18 +121,13 @@ def main(argv: list[str] | None = None) -> None:
             f"b_{p} {engine[p][1] * 1e9:.3f} ns/B ({1 / engine[p][1] / 1e9:.1f} GB/s per rank)"
         )
 
-    # the engine's per-byte cost grows with the node's rank count: extrapolate
-    # b_L linearly in L from the measured rank counts (a_L likewise).
-    ls = sorted(engine)
-    if len(ls) >= 2:
-        a_fit = np.polyfit(ls, [engine[L][0] for L in ls], 1)
-        b_fit = np.polyfit(ls, [engine[L][1] for L in ls], 1)
-    else:
-        a_fit = (0.0, engine[ls[0]][0])
-        b_fit = (0.0, engine[ls[0]][1])
+    fair = [p for p in engine if p <= cores] or [min(engine)]
+    a_fit, b_fit = engine[max(fair)]
     per_node, nodes = args.per_node, args.nodes
-    a_node = max(np.polyval(a_fit, per_node), 0.0)
-    b_node = max(np.polyval(b_fit, per_node), 1e-15)
+    a_node = a_fit * per_node / 2
+    b_node = max(b_fit, 3 * per_node / args.node_memory_bandwidth)
+    if any(p > cores for p in engine):
+        print(f"  (runs with more ranks than the {cores} cores are not used for the engine)")
     alpha_net, beta_net = args.alpha_net, 1 / args.bandwidth_net
     total = nodes * per_node
     print(
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         f"engine extrapolated to {per_node} ranks: "
         f"a {a_node * 1e6:.1f} us, b {b_node * 1e9:.3f} ns/B"
     )
-    alpha, beta = intra[max(intra)]
+    alpha, beta = intra[max(fair)]
     print(
         f"{'bytes':>10}{'rec. doubling':>15}{'Rabenseifner':>15}{'ring':>13}"
         f"{'hierarchical':>15}   ferrompi uses"
