@@ -9,6 +9,7 @@ say why they skip where the tools are not installed).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -60,12 +61,13 @@ def data_offset(path, name: str) -> tuple[int, int]:
         return ds.id.get_offset(), ds.id.get_storage_size()
 
 
-def flip(path, offset: int) -> None:
+def flip(path, offset: int, mask: int = 0x5A) -> None:
+    """XOR the byte at ``offset`` of the file with ``mask`` (flipping again undoes it)."""
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
+        f.write(bytes([byte[0] ^ mask]))
 
 
 # ---------------------------------------------------------------------------
@@ -210,9 +212,11 @@ def test_flipped_hdf5_metadata_byte_and_truncation(tmp_path):
         load_distributed(path, 0, 1)
     assert cli("verify", path).returncode == 1
     flip(shard, raw.index(b"OHDR", 100) + 12)  # undo
-    flip(shard, 20)  # the superblock (checksummed)
-    with pytest.raises(fm.CheckpointTensorError, match="cannot be opened as HDF5"):
+    flip(shard, 20)  # the superblock: found by ferrompi's checksum before HDF5 parses it
+    with pytest.raises(fm.CheckpointTensorError, match="checksum mismatch in its HDF5 structure"):
         load_distributed(path, 0, 1)
+    with pytest.raises(fm.CheckpointTensorError, match="cannot be opened as HDF5"):
+        load_distributed(path, 0, 1, verify=False)  # HDF5's own superblock checksum
     flip(shard, 20)
     assert verify_checkpoint(path) == []
     with open(shard, "r+b") as f:
@@ -221,12 +225,80 @@ def test_flipped_hdf5_metadata_byte_and_truncation(tmp_path):
         load_distributed(path, 0, 1)
 
 
+#: Seed of the random byte flips below; FERROMPI_FLIP_SEED replays a failure or explores.
+FLIP_SEED = int(os.environ.get("FERROMPI_FLIP_SEED", "20261203"))
+
+
+def _must_fail(fn, where: str) -> None:
+    try:
+        got = fn()
+    except fm.CheckpointTensorError:
+        return
+    except Exception as exc:
+        pytest.fail(f"{where}: {type(exc).__name__} instead of CheckpointTensorError: {exc}")
+    pytest.fail(f"{where}: the damage was not found, the load returned {str(got)[:200]}")
+
+
+def test_random_byte_flips_are_always_detected_never_returned(tmp_path):
+    """200 seeded flips of one byte at random offsets of every file: data and HDF5 structure.
+
+    Every flip is found by ``verify_checkpoint`` and by every load that reads the
+    damaged file (the whole tensor at world size 1; the damaged shard's own rank at
+    the saving world size, into new and into existing arrays); none returns data.
+    """
+    path = tmp_path / "ckpt"
+    make(path, 3)
+    doc = json.loads((path / "metadata.json").read_text())
+    names = sorted(doc["files"])
+    rng = np.random.default_rng(FLIP_SEED)
+    b = fm.SimulatedBackend.create_group(1)[0]
+    kinds = {"data": 0, "structure": 0}
+    for trial in range(200):
+        name = names[rng.integers(len(names))]
+        record = doc["files"][name]
+        extents = record["data"]
+        if extents and rng.random() < 0.5:
+            kind = "data"
+            start, size = extents[rng.integers(len(extents))]
+            offset = start + int(rng.integers(size))
+        else:
+            kind = "structure"
+            offset = int(rng.integers(record["bytes"]))
+            while any(a <= offset < a + n for a, n in extents):
+                offset = int(rng.integers(record["bytes"]))
+        mask = int(rng.integers(1, 256))
+        where = f"FERROMPI_FLIP_SEED={FLIP_SEED}, flip {trial}: {name} byte {offset} ({kind})"
+        kinds[kind] += 1
+        flip(path / name, offset, mask)
+        try:
+            assert verify_checkpoint(path), f"{where}: verify_checkpoint found nothing"
+            if trial % 40 == 0:
+                result = cli("verify", path)
+                assert result.returncode == 1, f"{where}: {result.stdout}"
+            _must_fail(lambda: load_distributed(path, 0, 1), where)
+            if name.startswith("shard-"):
+                rank = int(name[6:11])
+                _must_fail(lambda rank=rank: load_distributed(path, rank, 3), where)
+                model = {"big": np.zeros_like(BIG), "w": np.zeros_like(W), "flag": np.array(False)}
+                target = {"model": model}
+                _must_fail(lambda t=target: load_distributed_into(t, path, b), where)
+            else:
+                _must_fail(lambda: load_distributed(path, 1, 3), where)
+        finally:
+            flip(path / name, offset, mask)
+    assert verify_checkpoint(path) == []
+    assert min(kinds.values()) > 60, kinds
+
+
 def test_shard_of_another_checkpoint_is_a_tensor_error(tmp_path):
     make(tmp_path / "three", 3)
     make(tmp_path / "two", 2)
     shutil.copy(tmp_path / "two" / "shard-00000.h5", tmp_path / "three" / "shard-00000.h5")
-    with pytest.raises(fm.CheckpointTensorError, match=r"the dataset holds shape \(20, 300\)"):
+    with pytest.raises(fm.CheckpointTensorError, match="truncated, extended or replaced"):
         load_distributed(tmp_path / "three", 0, 1)
+    # unverified, h5py reads the file, and the dataset's shape gives it away
+    with pytest.raises(fm.CheckpointTensorError, match=r"the dataset holds shape \(20, 300\)"):
+        load_distributed(tmp_path / "three", 0, 1, verify=False)
 
 
 def test_dtype_mismatch_is_a_tensor_error(tmp_path):
@@ -235,8 +307,10 @@ def test_dtype_mismatch_is_a_tensor_error(tmp_path):
     with h5py.File(path / "shard-00000.h5", "a") as f:
         del f["model/w"]
         f.create_dataset("model/w", data=W.astype(np.float64))
-    with pytest.raises(fm.CheckpointTensorError, match=r"dtype float64.*says shape .* float32"):
+    with pytest.raises(fm.CheckpointTensorError, match=r"shard of rank 0.*replaced"):
         load_distributed(path, 0, 1)
+    with pytest.raises(fm.CheckpointTensorError, match=r"dtype float64.*says shape .* float32"):
+        load_distributed(path, 0, 1, verify=False)
 
 
 def test_load_into_mismatches(tmp_path):

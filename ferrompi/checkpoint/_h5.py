@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 
 import h5py
 import numpy as np
 
 from ..errors import CheckpointTensorError
 from ._format import FORMAT, VERSION, ShardMeta, TensorMeta
-from ._io import ALIGN, BlockCRC, ShardWriter, file_record, open_direct, pread_into
+from ._io import ALIGN, block_crcs, file_record, pread_into, read_outside, write_file
 
 __all__ = [
     "LIBVER",
@@ -66,39 +67,39 @@ def create_dataset(f: h5py.File, name: str, shape, dtype: np.dtype) -> h5py.Data
     return h5py.Dataset(dsid)
 
 
+def _row_bytes(array: np.ndarray) -> int:
+    """Bytes of one row (index along axis 0) of ``array``; a 0-d array is one row."""
+    return array.nbytes // array.shape[0] if array.ndim else array.nbytes
+
+
 def write_shard_file(path: str, entries, direct_io: bool) -> tuple[dict, dict]:
     """Write one rank's shard file and ``fsync`` it.
 
-    ``entries`` is a list of ``(name, array, offsets, global_shape, block_rows)``.
-    Returns ``({name: crc32 list}, file record)`` (see :func:`~._io.file_record`).
+    HDF5 creates the file (its structure, and the datasets' places); then
+    :func:`~._io.write_file` rewrites it in one sequential pass with the
+    data. ``entries`` is a list of ``(name, array, offsets, global_shape,
+    block_rows)``. Returns ``({name: crc32 list}, file record)`` (see
+    :func:`~._io.file_record`).
     """
-    offsets = []
+    arrays = []
     with create_file(path) as f:
-        for name, array, box_offsets, global_shape, _ in entries:
+        for name, array, box_offsets, global_shape, block_rows in entries:
             ds = create_dataset(f, name, array.shape, array.dtype)
             ds.attrs["ferrompi_offsets"] = np.asarray(box_offsets, np.int64)
             ds.attrs["ferrompi_global_shape"] = np.asarray(global_shape, np.int64)
-            offsets.append(ds.id.get_offset())
-    crcs = {}
-    fd = os.open(path, os.O_RDWR)
-    fd_direct = open_direct(path) if direct_io else None
+            arrays.append((name, ds.id.get_offset(), array, block_rows * _row_bytes(array)))
+    extents = sorted((offset, array.nbytes) for _, offset, array, _ in arrays)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        writer = ShardWriter(fd, fd_direct)
-        try:
-            for (name, array, *_, block_rows), offset in zip(entries, offsets, strict=True):
-                row = array.nbytes // array.shape[0] if array.ndim else array.nbytes
-                crc = BlockCRC(block_rows * row, array.nbytes)
-                writer.write(array, offset, crc)
-                crcs[name] = crc.crcs
-        finally:
-            writer.finish()
-        extents = [(o, e[1].nbytes) for o, e in zip(offsets, entries, strict=True)]
-        record = file_record(fd, extents)
-        os.fsync(fd)
+        size = os.fstat(fd).st_size
+        structure = read_outside(fd, size, extents)
     finally:
         os.close(fd)
-        if fd_direct is not None:
-            os.close(fd_direct)
+    crcs = write_file(path, size, structure, arrays, direct_io)
+    crc = 0
+    for _, data in structure:
+        crc = zlib.crc32(data, crc)
+    record = {"bytes": size, "data": [list(e) for e in extents], "outside_data_crc32": crc}
     return crcs, record
 
 
@@ -169,10 +170,8 @@ def write_single(path: str, comm, tensors, entries, objects: dict, groups):
             ds = datasets[name]
             sel = tuple(slice(o, o + n) for o, n in zip(box_offsets, array.shape, strict=True))
             ds.write_direct(array, dest_sel=sel if sel else None)
-            row = array.nbytes // array.shape[0] if array.ndim else array.nbytes
-            crc = BlockCRC(block_rows * row, array.nbytes)
-            crc.feed(array.reshape(-1).view(np.uint8))
-            crcs[name] = crc.crcs
+            data = array.reshape(-1).view(np.uint8)
+            crcs[name] = block_crcs(data, block_rows * _row_bytes(array))
         f.flush()
     if comm is not None:
         comm.Barrier()  # every rank's data is in the file before rank 0 reads the rest
@@ -205,8 +204,10 @@ class ShardSource:
         where = f"tensor {tensor.name!r}, {shard.describe()}"
         try:
             ds = f[shard.dataset]
-        except KeyError:
-            raise CheckpointTensorError(f"{where}: no dataset {shard.dataset}") from None
+        except (KeyError, OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointTensorError(
+                f"{where}: no readable dataset {shard.dataset} ({exc})"
+            ) from None
         if not isinstance(ds, h5py.Dataset):
             raise CheckpointTensorError(f"{where}: {shard.dataset} is not a dataset")
         expect = tensor.shape if single else shard.sizes

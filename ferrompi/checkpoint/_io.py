@@ -1,22 +1,28 @@
 """Low-level file I/O of checkpoints: checksummed, pipelined, page-aligned.
 
-The bulk data of a shard never goes through h5py: HDF5 lays out the file
-(contiguous datasets, allocated at creation, data 4 KiB-aligned), then the
-bytes are written with ``pwrite`` at each dataset's offset, and read back
-with ``preadv`` (see ``docs/performance.md`` for why and what it gains).
+The bulk data of a shard never goes through h5py. HDF5 lays out the file
+(contiguous datasets, allocated at creation, never filled); then ferrompi
+rewrites the whole file in one sequential pass, its HDF5 structure and its
+arrays' bytes in file order, and reads data back with ``preadv`` at each
+dataset's offset (see ``docs/performance.md`` for why and what it gains).
 
-Writes use ``O_DIRECT`` where the file system accepts it: the data is copied
-through three reused page-aligned 8 MiB buffers per thread and goes to the
-device without filling the page cache; two writes are in flight (in helper
-threads) while the next chunk is copied and checksummed (``pwrite``,
-``preadv`` and ``zlib.crc32`` release the GIL). Elsewhere, writes are
-buffered, and writeback of each chunk is started at once
-(``sync_file_range``) so that the final ``fsync`` has little left. Reads
-keep two ``preadv`` in flight while the previous chunk is checksummed.
+The pass uses ``O_DIRECT`` where the file system accepts it: the file's
+blocks are reserved (``fallocate``), then the bytes are copied into reused
+page-aligned 4 MiB buffers and go to the device without filling the page
+cache (whose fresh pages are slow to fault in on virtual machines), up to
+``WRITE_DEPTH`` writes in flight (in helper threads) while the next buffer
+is filled; only the last partial page is written through the page cache.
+Elsewhere, the pieces are written buffered, straight from the arrays.
+Either way the checksums of the arrays are computed at the same
+time, whole checksum blocks at a time, by their own helper threads, and the
+file is ``fsync``-ed once at the end. Reads keep two chunks in flight, each
+checksummed by the thread that read it. ``pwrite``, ``preadv``, numpy's
+copies and ``zlib.crc32`` release the GIL, so all of this overlaps.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import errno
@@ -31,13 +37,16 @@ import numpy as np
 
 __all__ = [
     "CHUNK",
+    "WRITE_CHUNK",
     "ALIGN",
     "BlockCRC",
+    "block_crcs",
     "Damage",
     "pread_into",
     "scratch",
     "stream",
-    "ShardWriter",
+    "read_outside",
+    "write_file",
     "rename_exchange",
     "fsync_path",
     "fsync_dir",
@@ -45,12 +54,22 @@ __all__ = [
     "file_record",
 ]
 
-#: Bytes per I/O call and per bounce buffer.
+#: Bytes per read call and per read buffer.
 CHUNK = 8 << 20
+#: Bytes per write call and per direct I/O buffer.
+WRITE_CHUNK = 4 << 20
+#: Writes in flight while the next buffer is filled (64 MiB of buffers in all): many
+#: requests at once keep the device busier than a few large ones.
+WRITE_DEPTH = 15
+#: Bytes of whole checksum blocks per checksum task.
+CRC_TASK = 8 << 20
 #: Alignment of data in shard files and of direct I/O.
 ALIGN = 4096
 
-_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="ferrompi-ckpt-io")
+_POOL = ThreadPoolExecutor(max_workers=WRITE_DEPTH + 1, thread_name_prefix="ferrompi-ckpt-io")
+_CRC_POOL = ThreadPoolExecutor(
+    max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="ferrompi-ckpt-crc"
+)
 _LOCAL = threading.local()
 
 
@@ -62,16 +81,15 @@ def _libc():
 
 
 _LIBC = _libc()
-_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
-if _SYNC_FILE_RANGE is not None:
-    _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_FALLOCATE = getattr(_LIBC, "fallocate", None)
+if _FALLOCATE is not None:
+    _FALLOCATE.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _RENAMEAT2 = getattr(_LIBC, "renameat2", None)
 if _RENAMEAT2 is not None:
     _RENAMEAT2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
     _RENAMEAT2.argtypes += [ctypes.c_uint]
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 class Damage(Exception):
@@ -129,6 +147,20 @@ class BlockCRC:
                 self.block += 1
                 self.filled = 0
                 self.crc = 0
+
+
+def block_crcs(data, block_bytes: int) -> list[int]:
+    """CRC-32 of each consecutive ``block_bytes`` bytes of ``data`` (the last block may be short).
+
+    Examples
+    --------
+    >>> import zlib
+    >>> from ferrompi.checkpoint._io import block_crcs
+    >>> block_crcs(b"abcdefghij", 4) == [zlib.crc32(x) for x in (b"abcd", b"efgh", b"ij")]
+    True
+    """
+    view = memoryview(data).cast("B")
+    return [zlib.crc32(view[a : a + block_bytes]) for a in range(0, len(view), block_bytes)]
 
 
 def scratch(slot: int, nbytes: int) -> np.ndarray:
@@ -212,14 +244,22 @@ def file_record(fd: int, extents) -> dict:
     }
 
 
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+def read_outside(fd: int, size: int, extents) -> list[tuple[int, bytes]]:
+    """The bytes of a file of ``size`` bytes outside ``extents``, as ``(offset, bytes)`` pieces.
 
-
-def _write_buffered(fd: int, data, offset: int) -> None:
-    _pwrite_all(fd, data, offset)
-    _start_writeback(fd, offset, len(memoryview(data).cast("B")))
+    ``extents`` are sorted, disjoint ``(offset, nbytes)``; the pieces fill the
+    gaps between them, in file order (meant for a new file's HDF5 structure,
+    which is small).
+    """
+    pieces, pos = [], 0
+    for offset, nbytes in [*extents, (size, 0)]:
+        if pos < offset:
+            data = os.pread(fd, offset - pos, pos)
+            if len(data) != offset - pos:
+                raise EOFError(f"the file ends before byte {offset}")
+            pieces.append((pos, data))
+        pos = max(pos, offset + nbytes)
+    return pieces
 
 
 #: Reads in flight ahead of the one being consumed.
@@ -245,60 +285,90 @@ def stream(count: int, read: Callable[[int], object], consume: Callable[[int, ob
             job.exception()
 
 
-class ShardWriter:
-    """Writes arrays at offsets of one file, checksumming them; one pipeline for the file.
+def _gather(pieces: list, starts: list[int], start: int, out: np.ndarray) -> None:
+    """Copy the file bytes ``[start, start + len(out))`` from ``pieces`` into ``out``."""
+    i = bisect.bisect_right(starts, start) - 1
+    pos, end = start, start + len(out)
+    while pos < end:
+        offset, data = pieces[i]
+        a = pos - offset
+        take = min(len(data) - a, end - pos)
+        np.copyto(out[pos - start : pos - start + take], data[a : a + take])
+        pos += take
+        i += 1
 
-    With ``fd_direct`` (an ``O_DIRECT`` descriptor of the same file), the
-    aligned part of an array at an aligned offset is copied into rotating
-    page-aligned buffers and written with direct I/O, up to ``DEPTH`` writes
-    in flight while the next buffer is filled and checksummed; the rest
-    (under 4 KiB tails, small or unaligned arrays, or everything without
-    ``fd_direct``) is written from the array itself through ``fd``. Call
-    :meth:`finish` (it waits for every write and raises the first error).
+
+def write_file(path: str, size: int, structure, arrays, direct_io: bool) -> dict[str, list[int]]:
+    """Rewrite the file ``path`` of ``size`` bytes in one sequential pass, then ``fsync`` it.
+
+    ``structure`` is the file's bytes outside the arrays (as :func:`read_outside`
+    gives them); ``arrays`` are ``(name, offset, array, block_bytes)``, the
+    C-contiguous arrays whose bytes go at ``offset``. Together they must
+    cover ``[0, size)`` exactly. Returns each array's block checksums (CRC-32
+    of each ``block_bytes`` bytes) by name. With ``direct_io``, the data goes
+    through ``O_DIRECT`` where the file system supports it.
     """
+    pieces = [(o, np.frombuffer(b, np.uint8)) for o, b in structure]
+    pieces += [(o, a.reshape(-1).view(np.uint8)) for _, o, a, _ in arrays]
+    pieces.sort(key=lambda p: p[0])
+    starts = [o for o, _ in pieces]
+    checksums = {}
+    for name, _, array, block_bytes in arrays:
+        data = array.reshape(-1).view(np.uint8)
+        step = max(1, CRC_TASK // block_bytes) * block_bytes
+        checksums[name] = [
+            _CRC_POOL.submit(block_crcs, data[a : a + step], block_bytes)
+            for a in range(0, len(data), step)
+        ]
+    jobs: list = []
 
-    def __init__(self, fd: int, fd_direct: int | None) -> None:
-        self.fd, self.fd_direct = fd, fd_direct
-        self.inflight: list = []
-        self.count = 0
+    def submit(fd: int, data, offset: int) -> None:
+        """Write ``data`` at ``offset`` in a helper thread, once at most WRITE_DEPTH are."""
+        while len(jobs) > WRITE_DEPTH:
+            jobs.pop(0).result()
+        jobs.append(_POOL.submit(_pwrite_all, fd, data, offset))
 
-    def _submit(self, fn, *args) -> None:
-        self.inflight.append(_POOL.submit(fn, *args))
-
-    def _make_room(self) -> None:
-        while len(self.inflight) > DEPTH:
-            self.inflight.pop(0).result()
-
-    def write(self, data: np.ndarray, offset: int, crc: BlockCRC) -> None:
-        """Write the bytes of C-contiguous ``data`` at ``offset``, feeding them to ``crc``."""
-        src = data.reshape(-1).view(np.uint8)
-        n = len(src)
-        direct = self.fd_direct is not None and offset % ALIGN == 0 and n >= ALIGN
-        aligned = n - n % ALIGN if direct else 0
-        for start in range(0, aligned, CHUNK):
-            size = min(CHUNK, aligned - start)
-            self._make_room()  # the buffer's previous write has finished
-            buf = scratch(self.count % (DEPTH + 1), CHUNK)[:size]
-            self.count += 1
-            np.copyto(buf, src[start : start + size])
-            crc.feed(buf)
-            self._submit(_pwrite_all, self.fd_direct, buf, offset + start)
-        for start in range(aligned, n, CHUNK):
-            piece = src[start : min(n, start + CHUNK)]
-            self._make_room()
-            self._submit(_write_buffered, self.fd, piece, offset + start)
-            crc.feed(piece)
-
-    def finish(self) -> None:
-        errors = []
-        for job in self.inflight:
-            try:
-                job.result()
-            except BaseException as exc:
-                errors.append(exc)
-        self.inflight.clear()
-        if errors:
-            raise errors[0]
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    fd_direct = open_direct(path) if direct_io else None
+    try:
+        try:
+            if fd_direct is None:
+                for offset, data in pieces:
+                    for a in range(0, len(data), WRITE_CHUNK):
+                        submit(fd, data[a : a + WRITE_CHUNK], offset + a)
+            else:
+                # Reserve the blocks first: then no write extends the file, and the file
+                # system (ext4, XFS) lets the direct writes run concurrently instead of
+                # one at a time. Best effort: without it, they extend the file in turn.
+                if _FALLOCATE is not None:
+                    _FALLOCATE(fd, 0, 0, size)
+                aligned = size - size % ALIGN
+                for count, start in enumerate(range(0, aligned, WRITE_CHUNK)):
+                    while len(jobs) > WRITE_DEPTH:  # then this buffer's last write is done
+                        jobs.pop(0).result()
+                    buf = scratch(count % (WRITE_DEPTH + 1), WRITE_CHUNK)
+                    buf = buf[: min(WRITE_CHUNK, aligned - start)]
+                    _gather(pieces, starts, start, buf)
+                    submit(fd_direct, buf, start)
+                if aligned < size:  # the last partial page, through the page cache
+                    tail = np.empty(size - aligned, np.uint8)
+                    _gather(pieces, starts, aligned, tail)
+                    submit(fd, tail, aligned)
+        finally:
+            errors = []
+            for job in jobs + [j for js in checksums.values() for j in js]:
+                try:
+                    job.result()
+                except BaseException as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        if fd_direct is not None:
+            os.close(fd_direct)
+    return {name: [c for t in tasks for c in t.result()] for name, tasks in checksums.items()}
 
 
 def open_direct(path: str) -> int | None:

@@ -4,8 +4,10 @@ A rank's part of a tensor is a box of the global array. For every stored
 box (shard) that intersects it, the intersection is read straight into the
 result (``preadv`` into the output array when the rows are contiguous in
 both, else through a reused 8 MiB buffer), and, with ``verify``, the
-checksum blocks it touches are checked: the rows of a partly read block are
-read too (at most one block, about 1 MiB, at each end).
+checksum blocks it touches are checked, each chunk by the helper thread
+that read it, right after reading it (two chunks in flight): the rows of a
+partly read block are read too (at most one block, about 1 MiB, at each
+end).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from datetime import timedelta
 import h5py
 import numpy as np
 
+from .._arrays import copy_into, host_tree
 from .._progress import timeout_seconds
 from ..backend import Backend
 from ..dtensor import Partial, _partition, _ranges
@@ -68,7 +71,6 @@ class Reader:
         self.verify = verify
         self._files: dict[str, tuple[h5py.File, int]] = {}
         self._sources: dict[tuple[str, int], ShardSource] = {}
-        self._checked: set[str] = set()
 
     def __enter__(self) -> Reader:
         return self
@@ -88,40 +90,38 @@ class Reader:
         src = self._sources.get(key)
         if src is not None:
             return src
-        opened = self._files.get(s.file)
-        if opened is None:
-            try:
-                opened = self._files[s.file] = self.open(s.file)
-            except CheckpointTensorError as exc:
-                raise CheckpointTensorError(f"tensor {t.name!r}, {s.describe()}: {exc}") from None
-        f, fd = opened
-        extents = self.ckpt.files[s.file].data
-        src = ShardSource(t, s, f, fd, self.ckpt.layout == "single", extents)
         try:
-            self.check_file(s.file)
+            f, fd = self.file(s.file)
         except CheckpointTensorError as exc:
             raise CheckpointTensorError(f"tensor {t.name!r}, {s.describe()}: {exc}") from None
+        extents = self.ckpt.files[s.file].data
+        src = ShardSource(t, s, f, fd, self.ckpt.layout == "single", extents)
         self._sources[key] = src
         return src
 
-    def check_file(self, name: str) -> None:
-        """With ``verify``, check the open file ``name``'s size and HDF5 structure (once).
-
-        Runs after the dataset checks of :class:`ShardSource`, which name what
-        is wrong more precisely (a swapped or rewritten shard).
-        """
-        if self.verify and name not in self._checked:
-            self.ckpt.check_file(name, self._files[name][1])
-            self._checked.add(name)
+    def file(self, name: str) -> tuple[h5py.File, int]:
+        """The open data file ``name`` (opened by :meth:`open` on first use)."""
+        opened = self._files.get(name)
+        if opened is None:
+            opened = self._files[name] = self.open(name)
+        return opened
 
     def open(self, name: str) -> tuple[h5py.File, int]:
-        """Open the data file ``name`` (its checks are :meth:`check_file`'s)."""
+        """Open the data file ``name``: a descriptor for the data, h5py for its structure.
+
+        With ``verify``, the file's size and the checksum of its bytes outside
+        the tensor data (the HDF5 structure) are checked before HDF5 parses
+        any of them, so a damaged file is reported as such
+        (:class:`CheckpointTensorError`) and never interpreted.
+        """
         path = self.ckpt.file_path(name)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise MissingShard(path) from None
         try:
+            if self.verify:
+                self.ckpt.check_file(name, fd)
             try:
                 f = h5py.File(path, "r")
             except OSError as exc:
@@ -131,7 +131,6 @@ class Reader:
         except BaseException:
             os.close(fd)
             raise
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return f, fd
 
     def check_global(self) -> None:
@@ -192,61 +191,66 @@ class Reader:
             f"records {exc.expected:#010x}"
         )
 
-    def _crc(self, src: ShardSource, r0: int, r1: int) -> tuple[BlockCRC, int, int]:
-        """The verifier of rows ``[r0, r1)``, and the block-aligned rows it needs."""
+    @staticmethod
+    def _blocks(src: ShardSource, r0: int, r1: int) -> tuple[int, int, int]:
+        """``(a, b, per)``: the whole checksum blocks ``[a, b)`` covering rows ``[r0, r1)``,
+        read ``per`` rows (whole blocks, about ``CHUNK`` bytes) at a time."""
+        br = src.shard.block_rows
+        a, b = r0 // br * br, min(-(-r1 // br) * br, src.rows)
+        return a, b, max(br, CHUNK // src.row_bytes // br * br)
+
+    @staticmethod
+    def _check(src: ShardSource, row: int, parts) -> None:
+        """Check ``parts``, the bytes of whole checksum blocks from row ``row`` (raises Damage)."""
         br, rb = src.shard.block_rows, src.row_bytes
-        a = r0 // br * br
-        b = min(-(-r1 // br) * br, src.rows)
-        crc = BlockCRC(br * rb, src.rows * rb, src.shard.crc32, a // br)
-        return crc, a, b
+        crc = BlockCRC(br * rb, src.rows * rb, src.shard.crc32, row // br)
+        for part in parts:
+            crc.feed(part)
 
     def _read_rows(self, src: ShardSource, r0: int, r1: int, dest: np.ndarray) -> None:
         """Rows ``[r0, r1)`` of a box straight into ``dest`` (C-contiguous, full rows).
 
         With ``verify``, the rest of the first and last checksum blocks is read
         into a scratch buffer by the same scatter reads, so the file is read
-        in one sequential pass.
+        in one sequential pass, and each chunk is checked by the thread that
+        read it, right after reading it.
         """
         rb = src.row_bytes
         flat = dest.reshape(-1).view(np.uint8)
-        per = max(1, CHUNK // rb)
-        count = -(-(r1 - r0) // per)
-        crc, head, tail = None, flat[:0], flat[:0]
-        a = r0
         if self.verify:
-            crc, a, b = self._crc(src, r0, r1)
+            a, b, per = self._blocks(src, r0, r1)
             spare = scratch(DEPTH + 1, (r0 - a + b - r1) * rb)
             head, tail = spare[: (r0 - a) * rb], spare[(r0 - a) * rb :]
+        else:
+            a, b, per = r0, r1, max(1, CHUNK // rb)
+            head = tail = flat[:0]
 
-        def read(i: int) -> list[np.ndarray]:
-            lo = r0 + i * per
-            hi = min(r1, lo + per)
-            parts = [flat[(lo - r0) * rb : (hi - r0) * rb]]
-            if i == 0:
-                parts.insert(0, head)
-            if i == count - 1:
-                parts.append(tail)
-            src.read_rows(a if i == 0 else lo, parts)
-            return parts
+        def read(i: int) -> None:
+            ca = a + i * per
+            cb = min(b, ca + per)
+            parts = []
+            if ca < r0:
+                parts.append(head[(ca - a) * rb : (min(cb, r0) - a) * rb])
+            if max(ca, r0) < min(cb, r1):
+                parts.append(flat[(max(ca, r0) - r0) * rb : (min(cb, r1) - r0) * rb])
+            if cb > r1:
+                parts.append(tail[(max(ca, r1) - r1) * rb : (cb - r1) * rb])
+            src.read_rows(ca, parts)
+            if self.verify:
+                self._check(src, ca, parts)
 
-        def check(i: int, parts: list[np.ndarray]) -> None:
-            if crc is not None:
-                for part in parts:
-                    crc.feed(part)
-
-        stream(count, read, check)
+        stream(-(-(b - a) // per), read, lambda i, _: None)
 
     def scan(self, src: ShardSource, r0: int, r1: int, consume=None) -> None:
         """Stream rows ``[r0, r1)`` of a box through ``DEPTH + 1`` reused buffers.
 
         ``consume(a, b, rows)`` gets each run of rows ``[a, b)`` as an array;
-        with ``verify`` the covering blocks are read and checked.
+        with ``verify`` the covering blocks are read and checked (by the
+        reading threads).
         """
-        rb, br = src.row_bytes, src.shard.block_rows
-        crc = None
+        rb = src.row_bytes
         if self.verify:
-            crc, a, b = self._crc(src, r0, r1)
-            per = max(br, CHUNK // rb // br * br)
+            a, b, per = self._blocks(src, r0, r1)
         else:
             a, b, per = r0, r1, max(1, CHUNK // rb)
         count = -(-(b - a) // per)
@@ -260,12 +264,12 @@ class Reader:
             cb = min(b, ca + per)
             buf = buffers[i % len(buffers)][: (cb - ca) * rb]
             src.read_rows(ca, [buf])
+            if self.verify:
+                self._check(src, ca, [buf])
             return ca, cb, buf
 
         def use(i: int, item) -> None:
             ca, cb, buf = item
-            if crc is not None:
-                crc.feed(buf)
             lo, hi = max(ca, r0), min(cb, r1)
             if consume is not None and lo < hi:
                 rows = buf.view(dtype).reshape(row_shape)
@@ -534,7 +538,12 @@ def load_distributed_into(
     try:
         ckpt = open_checkpoint(path, verify=verify)
         ckpt.check_files()
-        flat, arrays, rows, dts = _targets(state_dict, ckpt, backend)
+        host_sd, on_device = (  # device targets: read via host arrays
+            host_tree(state_dict, copy=False)
+            if isinstance(state_dict, Mapping)
+            else (state_dict, [])
+        )
+        flat, arrays, rows, dts = _targets(host_sd, ckpt, backend)
         desc = {"rows": rows}
     except Exception as exc:
         local, desc = exc, {"error": f"{type(exc).__name__}: {exc}"}
@@ -568,6 +577,8 @@ def load_distributed_into(
                 for m, p in enumerate(dt.placements):
                     if isinstance(p, Partial):
                         np.copyto(local_array, _partition(local_array, p.op, coords[m]))
+        for device, host in on_device:
+            copy_into(device, host)
         for name in flat.objects:
             _set(state_dict, name, ckpt.objects[name])
         outcome, local = {}, None
@@ -616,7 +627,7 @@ def verify_checkpoint(path) -> list[str]:
     with Reader(ckpt, verify=True) as reader:
         for name in ckpt.files:
             try:
-                reader._files[name] = reader.open(name)
+                reader.file(name)  # its size and HDF5 structure, before h5py reads it
             except DistCheckpointError as exc:
                 problems.append(str(exc))
                 bad.add(name)
@@ -628,44 +639,33 @@ def verify_checkpoint(path) -> list[str]:
             except DistCheckpointError as exc:
                 problems.append(str(exc))
                 bad.update(s.file for s in t.shards)
-        for name in ckpt.files:
-            if name not in bad and name in reader._files:
-                try:
-                    reader.check_file(name)
-                except DistCheckpointError as exc:
-                    problems.append(str(exc))
-    if ckpt.layout == "per-rank" and GLOBAL not in bad:
-        problems += _check_global(ckpt)
+        if ckpt.layout == "per-rank" and GLOBAL not in bad:
+            problems += _check_global(ckpt, reader.file(GLOBAL)[0])
     return problems
 
 
-def _check_global(ckpt: Checkpoint) -> list[str]:
-    """``global.h5`` holds every tensor with the right shape and dtype (virtual over its shards)."""
+def _check_global(ckpt: Checkpoint, f: h5py.File) -> list[str]:
+    """``global.h5`` (open as ``f``, its bytes checked) holds every tensor and value."""
     path = ckpt.file_path(GLOBAL)
-    try:
-        f = h5py.File(path, "r")
-    except (OSError, FileNotFoundError) as exc:
-        return [f"{path} cannot be opened: {exc}"]
     problems = []
-    with f:
-        for t in ckpt.tensors.values():
-            ds = f.get(t.name)
-            if not isinstance(ds, h5py.Dataset):
-                problems.append(f"{path}: no dataset /{t.name}")
-            elif ds.shape != t.shape or ds.dtype != t.dtype:
-                problems.append(
-                    f"{path}: /{t.name} has shape {ds.shape} dtype {ds.dtype}, metadata.json "
-                    f"says {t.shape} {t.dtype}"
-                )
-            elif (
-                t.shape
-                and t.shards
-                and (not ds.is_virtual or len(ds.virtual_sources()) != len(t.shards))
-            ):
-                problems.append(f"{path}: /{t.name} is not a virtual dataset over its shards")
-        for name in ckpt.objects:
-            parent, _, key = name.rpartition("/")
-            group = f.get(parent) if parent else f
-            if group is None or key not in group.attrs:
-                problems.append(f"{path}: no attribute {key!r} on /{parent}")
+    for t in ckpt.tensors.values():
+        ds = f.get(t.name)
+        if not isinstance(ds, h5py.Dataset):
+            problems.append(f"{path}: no dataset /{t.name}")
+        elif ds.shape != t.shape or ds.dtype != t.dtype:
+            problems.append(
+                f"{path}: /{t.name} has shape {ds.shape} dtype {ds.dtype}, metadata.json "
+                f"says {t.shape} {t.dtype}"
+            )
+        elif (
+            t.shape
+            and t.shards
+            and (not ds.is_virtual or len(ds.virtual_sources()) != len(t.shards))
+        ):
+            problems.append(f"{path}: /{t.name} is not a virtual dataset over its shards")
+    for name in ckpt.objects:
+        parent, _, key = name.rpartition("/")
+        group = f.get(parent) if parent else f
+        if group is None or key not in group.attrs:
+            problems.append(f"{path}: no attribute {key!r} on /{parent}")
     return problems

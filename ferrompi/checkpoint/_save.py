@@ -18,7 +18,9 @@ of small JSON documents over the backend, under its timeout):
    directory into place: ``rename`` for a new path, an atomic exchange
    (``renameat2(RENAME_EXCHANGE)``) for an existing one. Until that moment
    the previous checkpoint at ``path`` is untouched, so a rank killed at any
-   point leaves it loadable.
+   point leaves it loadable. The replaced checkpoint is then deleted by a
+   background thread (the save has returned by then; the process waits for
+   the deletion at exit).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ import pathlib
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
 from .. import collectives
+from .._arrays import host_tree
 from .._progress import timeout_seconds
 from .._simcomm import SimComm
 from ..backend import Backend
@@ -123,6 +128,8 @@ class SaveJob:
 
 
 def _describe(state_dict, backend: Backend, layout: str):
+    if isinstance(state_dict, Mapping):  # device arrays: saved from host copies
+        state_dict = host_tree(state_dict, copy=True)[0]
     flat = flatten(state_dict)
     if layout not in LAYOUTS:
         raise CheckpointInvalidArgument(f"layout must be one of {LAYOUTS}, not {layout!r}")
@@ -504,20 +511,28 @@ def _commit(job: SaveJob, tmp: str, results: list[dict]) -> None:
     path = job.path
     parent, prefix = _siblings(path)
     if os.path.lexists(path):
-        if rename_exchange(tmp, path):
-            old = tmp
-        else:  # no atomic exchange here: two renames (see docs/checkpoint.md)
-            old = tmp.replace(f"{prefix}tmp-", f"{prefix}old-")
-            os.rename(path, old)
+        if not rename_exchange(tmp, path):  # no atomic exchange: two renames (docs/checkpoint.md)
+            os.rename(path, tmp.replace(f"{prefix}tmp-", f"{prefix}old-"))
             os.rename(tmp, path)
-        fsync_dir(parent)
-        shutil.rmtree(old)
     else:
         os.rename(tmp, path)
-        fsync_dir(parent)
-    for entry in os.listdir(parent):  # leftovers of interrupted saves of this path
-        if entry.startswith(prefix):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    fsync_dir(parent)
+    # The replaced checkpoint (now under the temporary name) and leftovers of interrupted
+    # saves of this path, listed now (a later save's new directory is not among them) and
+    # deleted in the background: deleting gigabytes takes a while, and the save is done.
+    stale = [os.path.join(parent, e) for e in os.listdir(parent) if e.startswith(prefix)]
+    if stale:
+        _CLEANUP.submit(_remove, stale)
+
+
+#: Deletes replaced checkpoints after their saves returned; the interpreter waits for
+#: it at exit (``concurrent.futures`` joins its threads).
+_CLEANUP = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrompi-ckpt-cleanup")
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _raise_from(state: dict, local: BaseException | None):
@@ -619,8 +634,11 @@ def save_distributed(
         collectively with ``driver="mpio"`` (needs h5py built with MPI) or,
         on one rank, with the default driver.
     direct_io : bool
-        Write shard data with ``O_DIRECT`` where the file system supports it
-        (per-rank layout).
+        Write the shard files with ``O_DIRECT`` where the file system
+        supports it (per-rank layout), through reused aligned buffers,
+        bypassing the page cache; ``False`` writes through the page cache,
+        which can be faster when its memory is already in use and slower
+        when it is not (see ``docs/performance.md``).
     timeout : float or datetime.timedelta, optional
         Deadline of each coordination step (default: the backend's). The
         step that waits for every rank to finish writing is given one more
