@@ -2,21 +2,27 @@
 
 Each test launches its own ``mpiexec`` jobs (the one next to this Python,
 from the ``mpich`` extra), so it runs under plain pytest only. A rank is
-killed with a real ``SIGKILL`` at chosen points of a save: the job script
+killed with a real ``SIGKILL``: at chosen points of a save (the job script
 replaces ``os.fsync`` or ``os.pwrite`` on the victim rank with a function
-that kills the process on its n-th call (nothing else of ferrompi is
-changed). Whatever the point, the checkpoint at the path must afterwards be
-a complete one: byte for byte the previous one if the kill came before the
-commit, else the new one.
+that kills the process on its n-th call; nothing else of ferrompi is
+changed), and in 20 seeded random trials, at a random delay (``os.kill``
+from this process) or at a random call of the file functions. Whatever the
+point, the checkpoint at the path must afterwards be a complete one: byte
+for byte the previous one if the kill came before the commit, else the new
+one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 SCRIPT = r"""
-import os, signal, sys
+import json, os, signal, sys, time
 import numpy as np
 import ferrompi as fm
 from ferrompi import Shard
@@ -51,7 +57,7 @@ def state(version):
     mesh = fm.init_device_mesh(b, (b.world_size,))
     return {
         "w": (np.arange(start, start + rows(b.rank))[:, None] * 10 + version) * np.ones((1, 5)),
-        "big": np.full((64, 1024, 16), version * 100 + b.rank, np.float32),  # 4 MiB a rank
+        "big": np.full((64, 1024, 80), version * 100 + b.rank, np.float32),  # 20 MiB a rank
         "dt": fm.distribute_tensor(FULL * version, mesh, [Shard(1)]),
         "meta": {"version": version},
     }
@@ -69,8 +75,47 @@ def killer(real, n):
     return call
 
 
+#: The file functions a save calls (its threads', and the background cleanup's, too).
+FUNCTIONS = ("open", "close", "pwrite", "fsync", "fstat", "mkdir", "rename", "listdir")
+
+
+def count_calls(n):  # count calls of FUNCTIONS; SIGKILL this process at the n-th (n > 0)
+    calls = [0]
+
+    def wrap(real):
+        def call(*a, **k):
+            calls[0] += 1
+            if calls[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+
+        return call
+
+    for name in FUNCTIONS:
+        setattr(os, name, wrap(getattr(os, name)))
+    return calls
+
+
 if mode == "save":
     save_distributed(state(int(args[0])), path, b, overwrite=True)
+elif mode == "count":  # a save, reporting its duration and each rank's calls
+    calls = count_calls(0)
+    fm.barrier(b)
+    t0 = time.perf_counter()
+    save_distributed(state(int(args[0])), path, b, overwrite=True)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"rank": b.rank, "calls": calls[0], "seconds": seconds}), flush=True)
+elif mode == "random":  # the victim dies at its n-th call, or (n = 0) when the test kills it
+    victim, n, pidfile, version = int(args[0]), int(args[1]), args[2], int(args[3])
+    fm.barrier(b)
+    if b.rank == victim:
+        if n:
+            count_calls(n)
+        else:
+            with open(pidfile + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(pidfile + ".tmp", pidfile)
+    save_distributed(state(version), path, b, overwrite=True)
 elif mode == "kill":
     victim, function, n = int(args[0]), args[1], int(args[2])
     if b.rank == victim:
@@ -149,9 +194,9 @@ def test_save_on_3_processes_load_on_1_2_4_5(tmp_path):
 # replaces an existing checkpoint. Rank 0's fsyncs: 1 its shard, 2 global.h5,
 # 3 metadata.json, 4 COMMIT, 5 the new directory, then the atomic exchange, 6 the parent.
 BEFORE_COMMIT = [
-    (1, "pwrite", 2),  # rank 1 in the middle of writing its shard's data
+    (1, "pwrite", 2),  # rank 1 in the middle of writing its shard (16 MiB of 20 written)
     (2, "fsync", 1),  # rank 2 with its shard written, before its fsync
-    (0, "pwrite", 3),  # rank 0 while writing its shard
+    (0, "pwrite", 1),  # rank 0 before it wrote anything of its shard
     (0, "fsync", 2),  # rank 0 before fsyncing global.h5
     (0, "fsync", 4),  # rank 0 before fsyncing the commit marker
     (0, "fsync", 5),  # rank 0 right before moving the new directory into place
@@ -196,3 +241,106 @@ def test_sigkill_during_the_first_save_leaves_no_checkpoint(tmp_path):
     assert proc.returncode != 0
     assert not path.exists()
     assert len(leftovers(path)) == 1
+
+
+#: Seed of the random kills below; FERROMPI_KILL_SEED replays a failure or explores.
+KILL_SEED = int(os.environ.get("FERROMPI_KILL_SEED", "20261203"))
+
+
+def random_kill_job(tmp_path, n: int, args, delay: float | None) -> subprocess.CompletedProcess:
+    """A ``random`` job; with ``delay``, SIGKILL its victim that long after its save began."""
+    script = tmp_path / "job.py"
+    env = dict(os.environ, MPIEXEC_TIMEOUT="60", FERROMPI_TIMEOUT="20")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [str(MPIEXEC), "-n", str(n), sys.executable, str(script), *map(str, args)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        if delay is not None:
+            pidfile = pathlib.Path(args[4])
+            deadline = time.monotonic() + 60
+            while not pidfile.exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the victim never started its save"
+                time.sleep(0.001)
+            if pidfile.exists():
+                time.sleep(delay)
+                try:
+                    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # the save finished first
+                pidfile.unlink()
+        out, err = proc.communicate(timeout=90)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the hard outer limit: the whole job
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def saved_version(path: pathlib.Path, where: str) -> int:
+    """The version of the complete checkpoint at ``path``, checked tensor by tensor."""
+    problems = verify_checkpoint(path)
+    assert problems == [], f"{where}: {problems}"
+    sd = load_distributed(path, 0, 1)
+    version = sd["meta"]["version"]
+    n = len(sd["big"]) // 64
+    want_big = np.repeat([version * 100.0 + r for r in range(n)], 64)
+    assert np.array_equal(sd["big"][:, 0, 0], want_big), where
+    assert np.array_equal(sd["big"], np.broadcast_to(sd["big"][:, :1, :1], sd["big"].shape)), where
+    assert np.array_equal(sd["w"][:, 0], np.arange(len(sd["w"])) * 10.0 + version), where
+    np.testing.assert_array_equal(sd["dt"], np.arange(78.0).reshape(13, 6) * version, where)
+    return version
+
+
+def test_sigkill_at_random_points_always_leaves_a_complete_checkpoint(tmp_path):
+    """20 seeded trials: a random rank of a 2- or 3-rank save that replaces a checkpoint is
+    killed at a random delay or at a random call; the checkpoint is then the old one, byte
+    for byte, or the new one, complete; never anything else."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    path = tmp_path / "ckpt"
+    calibration = {}
+    for n in (2, 3):  # each rank's calls in a save, and its duration; also the first checkpoint
+        proc = job(tmp_path, n, path, "count", 1)
+        reports = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", proc.stdout)]  # lines mix
+        assert len(reports) == n, proc.stdout
+        calibration[n] = (
+            {r["rank"]: r["calls"] for r in reports},
+            max(r["seconds"] for r in reports),
+        )
+    rng = np.random.default_rng(KILL_SEED)
+    version, outcomes = 1, {"old": 0, "new": 0}
+    for trial in range(20):
+        n = int(rng.choice([2, 3]))
+        victim = int(rng.integers(n))
+        calls, seconds = calibration[n]
+        if trial % 2:
+            point, delay = int(rng.integers(1, calls[victim] + 1)), None
+            how = f"at its call {point} of {calls[victim]}"
+        else:
+            point, delay = 0, float(rng.uniform(0, 1.5 * seconds))
+            how = f"{delay * 1e3:.1f} ms into a {seconds * 1e3:.0f} ms save"
+        where = f"FERROMPI_KILL_SEED={KILL_SEED}, trial {trial}: rank {victim} of {n} killed {how}"
+        before = tree(path)
+        new = 100 + trial
+        args = (path, "random", victim, point, tmp_path / "victim.pid", new)
+        try:
+            random_kill_job(tmp_path, n, args, delay)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            pytest.fail(f"{where}: {exc}")
+        got = saved_version(path, where)
+        if got == version:
+            outcomes["old"] += 1
+            assert tree(path) == before, f"{where}: the old checkpoint changed"
+        else:
+            assert got == new, f"{where}: version {got}, neither {version} nor {new}"
+            outcomes["new"] += 1
+            version = new
+    job(tmp_path, 2, path, "save", 1)  # a clean save clears what the killed ones left
+    assert leftovers(path) == []
+    assert outcomes["old"] >= 3, outcomes  # the kills do land in the middle of saves

@@ -24,6 +24,7 @@ from test_checkpoint import full_flat, part, rows_of
 import ferrompi as fm
 from ferrompi import Replicate, Shard
 from ferrompi.checkpoint import (
+    AsyncCheckpointer,
     load_distributed,
     load_distributed_into,
     save_distributed,
@@ -98,17 +99,56 @@ def test_single_file_needs_mpio_over_several_ranks(multigroup, mpi_tmp_path):
     multigroup.run(body)
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.skipif(
+needs_mpi_h5py = pytest.mark.skipif(
     not MPI_H5PY,
     reason="h5py here is built without MPI (h5py.get_config().mpi is False); build one with "
-    "HDF5_MPI=ON against libhdf5-mpich-dev (docs/checkpoint.md) to run the collective "
-    "single-file test",
+    "scripts/build-mpi-h5py.sh (docs/checkpoint.md) to run the collective single-file tests",
 )
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_mpi_h5py
 def test_single_file_written_collectively(multigroup, mpi_tmp_path):
     assert multigroup.kind == "mpi"
     multigroup.run(_save_and_check, mpi_tmp_path / "ckpt")
     meta = json.loads((mpi_tmp_path / "ckpt" / "metadata.json").read_text())
-    assert meta["layout"] == "single" and meta["files"] == ["global.h5"]
+    assert meta["layout"] == "single" and list(meta["files"]) == ["global.h5"]
+    record = meta["files"]["global.h5"]
+    assert record["bytes"] == (mpi_tmp_path / "ckpt" / "global.h5").stat().st_size
+    assert len(record["data"]) == len(meta["tensors"])  # one extent per dataset, 0-d ones too
     shards = meta["tensors"]["cols"]["shards"]
     assert sum(math.prod(s["sizes"]) for s in shards) == FULL.size
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_mpi_h5py
+def test_single_file_async_saves_and_layout_changes(multigroup, mpi_tmp_path):
+    """Background saves of the shared file (on the writer's own communicator), replaced by a
+    per-rank checkpoint and back: every load reads whichever layout is there."""
+    path = mpi_tmp_path / "ckpt"
+
+    def body(b):
+        ckpt = AsyncCheckpointer(path, b, layout="single")
+        w = np.full((b.rank + 1, 3), float(b.rank))
+        for step in range(3):
+            w += 1
+            fut = ckpt.save_async({"w": w, "step": step})
+            w[:] = -1  # the snapshot was taken
+            w[:] = b.rank + step + 1
+        assert fut.wait(timeout=120) == path
+        full = np.concatenate([np.full((r + 1, 3), r + 3.0) for r in range(b.world_size)])
+        assert sorted(os.listdir(path)) == ["COMMIT", "global.h5", "metadata.json"]
+        np.testing.assert_array_equal(load_distributed(path, 0, 1)["w"], full)
+        fm.barrier(b)
+        save_distributed({"w": w, "step": 9}, path, b, overwrite=True)  # per-rank now
+        assert "shard-00000.h5" in os.listdir(path)
+        back = load_distributed(path, b.rank, b.world_size)
+        np.testing.assert_array_equal(back["w"], w)
+        fm.barrier(b)
+        save_distributed({"w": w * 2, "step": 10}, path, b, overwrite=True, layout="single")
+        assert load_distributed(path, 0, 1)["step"] == 10
+        np.testing.assert_array_equal(load_distributed(path, 0, 1)["w"], full * 2)
+        if b.rank == 0:
+            assert verify_checkpoint(path) == []
+
+    multigroup.run(body)
