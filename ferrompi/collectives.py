@@ -379,7 +379,8 @@ def allreduce_coalesced(
             x if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative else prepare(x)
             for x in arrays
         ]
-        for dtype in {x.dtype for x in xs}:
+        dtypes = {x.dtype for x in xs}
+        for dtype in dtypes:
             reduction(op, dtype, name)
         targets = None
         if out is not None:
@@ -400,33 +401,38 @@ def allreduce_coalesced(
         state.fail_before_start(opcode)
         raise
     deadline = time.monotonic() + seconds
-    groups: dict[np.dtype, list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(x.dtype, []).append(i)
+    if len(dtypes) == 1:  # the usual case: one fused buffer for all
+        groups = {dtypes.pop(): range(len(xs))}
+    else:
+        groups = {}
+        for i, x in enumerate(xs):
+            groups.setdefault(x.dtype, []).append(i)
     results: list = [None] * len(xs)
     for dtype, members in groups.items():
-        flats = [xs[i].ravel() for i in members]
-        total = sum(f.size for f in flats)
+        parts = [xs[i] for i in members]
+        ends = list(itertools.accumulate(x.size for x in parts))
         first = on_device.get(dtype)
         if first is not None:
-            fused = _fuse_on_device(flats, first)
+            fused = _fuse_on_device([x.ravel() for x in parts], first)
         else:
             # without out=, the fused buffer becomes the results (views of it)
+            total = ends[-1] if ends else 0
             fused = np.empty(total, dtype) if out is None else state.fusion_buffer(dtype, total)
-            np.concatenate(flats, out=fused)
+            np.concatenate(parts, axis=None, out=fused)
         remaining = max(deadline - time.monotonic(), 1e-3)
         allreduce(fused, backend, op, out=fused, timeout=remaining)
-        offset = 0
-        for i, flat in zip(members, flats, strict=True):
-            part = fused[offset : offset + flat.size].reshape(xs[i].shape)
-            offset += flat.size
+        for i, x, end in zip(members, parts, ends, strict=True):
+            part = fused[end - x.size : end]
             if out is not None:
-                results[i] = targets[i]
-                copy_into(targets[i], part)
-            elif first is None or not isinstance(xs[i], _ndarray):
-                results[i] = part
+                target = results[i] = targets[i]
+                if type(target) is _ndarray and target.flags.c_contiguous:
+                    target.reshape(-1)[:] = part  # a view of the target: one copy, no checks
+                else:
+                    copy_into(target, part.reshape(x.shape))
+            elif first is None or not isinstance(x, _ndarray):
+                results[i] = part.reshape(x.shape)
             else:  # a host array fused with device arrays of its dtype: back to the host
-                results[i] = part.get()
+                results[i] = part.reshape(x.shape).get()
     return results
 
 
@@ -637,7 +643,12 @@ def _reduce_scatter(
             return _done_on_node(state, result, buf, divisor)
     seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
     try:
-        req = state.comm.Ireduce_scatter_block([x, count, dt], [buf, count, dt], mop)
+        # Ireduce_scatter with equal counts, not Ireduce_scatter_block: MPICH 5.0's
+        # algorithm for the latter takes 8-10x the blocking call's time at 1 MiB
+        # (docs/performance.md); this one matches it at every size measured.
+        req = state.comm.Ireduce_scatter(
+            [x, x.size, dt], [buf, count, dt], [count] * state.size, mop
+        )
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None

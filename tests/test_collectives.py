@@ -170,6 +170,48 @@ def test_allreduce_errors_raise_locally_and_leave_group_healthy(group):
     group.run(_allreduce_rejects_before_communicating)
 
 
+def _allreduce_coalesced_out(b):
+    p, r = b.world_size, b.rank
+    shapes = [(4, 3), (), (0, 2), (7,), (2, 2, 2)]
+
+    def inputs(rank, dtype, seed):
+        return [np.array(rank_data(rank, s, dtype, seed=seed + i)) for i, s in enumerate(shapes)]
+
+    for op, dtype in [(ReduceOp.SUM, np.dtype(np.int64)), (ReduceOp.MAX, np.dtype(np.float32))]:
+        want = [
+            reference_reduce([inputs(j, dtype, 10)[i] for j in range(p)], op, dtype)
+            for i in range(len(shapes))
+        ]
+        outs = [np.full(s, -1, dtype) for s in shapes]
+        outs[0] = np.full((3, 4), -1, dtype).T  # a non-contiguous target
+        got = fm.allreduce_coalesced(inputs(r, dtype, 10), b, op, out=outs)
+        assert all(g is o for g, o in zip(got, outs, strict=True))
+        for g, w in zip(got, want, strict=True):
+            assert_matches(g, w, dtype)
+        xs = inputs(r, dtype, 10)  # in place
+        fm.allreduce_coalesced(xs, b, op, out=xs)
+        for x, w in zip(xs, want, strict=True):
+            assert_matches(x, w, dtype)
+    means = fm.allreduce_coalesced(
+        [np.full(3, float(r)), np.full((1, 2), 2.0 * r)], b, ReduceOp.MEAN
+    )
+    np.testing.assert_allclose(means[0], np.full(3, (p - 1) / 2))
+    np.testing.assert_allclose(means[1], np.full((1, 2), p - 1.0))
+    with pytest.raises(fm.InvalidArgument, match="one per input"):
+        fm.allreduce_coalesced([np.ones(2), np.ones(3)], b, out=[np.ones(2)])
+    with pytest.raises(fm.InvalidArgument, match=r"shape \(2,\).*expected shape \(3,\)"):
+        fm.allreduce_coalesced([np.ones(2), np.ones(3)], b, out=[np.ones(2), np.ones(2)])
+    with pytest.raises(fm.UnsupportedOp, match="MEAN"):
+        fm.allreduce_coalesced([np.ones(2), np.arange(3)], b, ReduceOp.MEAN)
+    with pytest.raises(fm.InvalidArgument, match="list or tuple"):
+        fm.allreduce_coalesced(np.ones(3), b)
+    assert fm.allreduce_coalesced([], b) == []
+
+
+def test_allreduce_coalesced_out_inplace_and_errors(group):
+    group.run(_allreduce_coalesced_out)
+
+
 # ---------------------------------------------------------------------------
 # broadcast, all_gather, reduce_scatter, all_to_all
 # ---------------------------------------------------------------------------
