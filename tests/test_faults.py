@@ -196,7 +196,10 @@ def test_a_clean_exit_under_the_launcher_exits_zero(tmp_path):
     source = """
         import sys, numpy as np, ferrompi as fm
         w = fm.init()
-        print(int(fm.allreduce(np.ones(1), w)[0]), sys.argv[1:])
+        total = int(fm.allreduce(np.ones(1), w)[0])
+        # one write per line: print() writes the newline separately, and unbuffered
+        # (PYTHONUNBUFFERED) the two ranks' pieces can interleave
+        sys.stdout.write(f"{total} {sys.argv[1:]}\\n")
         sys.exit(0)
     """
     script = tmp_path / "ok.py"
