@@ -22,7 +22,7 @@ from .._mpi import MPI
 from .._simcomm import SimComm
 from ..backend import Backend
 from ..errors import AsyncCheckpointFailed, CheckpointInvalidArgument
-from ._save import SaveJob, prepare, run
+from ._save import SaveJob, check_backend, prepare, run
 
 __all__ = ["CheckpointFuture", "AsyncCheckpointer", "async_save"]
 
@@ -101,8 +101,7 @@ _LOCK = threading.Lock()
 
 def _writer_for(backend: Backend) -> _Writer:
     """The backend's writer; created (collectively) by the first async save on it."""
-    if not isinstance(backend, Backend):
-        raise CheckpointInvalidArgument(f"backend must be a ferrompi backend, not {backend!r}")
+    check_backend(backend)
     state = backend._state
     with _LOCK:
         writer = _WRITERS.get(state)

@@ -20,19 +20,18 @@ import h5py
 import numpy as np
 
 from .._arrays import copy_into, host_tree
-from .._progress import timeout_seconds
 from ..backend import Backend
 from ..dtensor import Partial, _partition, _ranges
 from ..errors import (
     CheckpointInvalidArgument,
     CheckpointTensorError,
     DistCheckpointError,
-    FerrompiError,
     MissingShard,
 )
 from ._format import GLOBAL, Checkpoint, ShardMeta, TensorMeta, open_checkpoint
 from ._h5 import ShardSource
 from ._io import CHUNK, DEPTH, BlockCRC, Damage, scratch, stream
+from ._save import exchange, step_seconds
 from ._tree import flatten, native_dtype, unflatten
 
 __all__ = [
@@ -106,6 +105,14 @@ class Reader:
             opened = self._files[name] = self.open(name)
         return opened
 
+    def _open_fd(self, name: str) -> tuple[str, int]:
+        """The path of data file ``name`` and a read-only descriptor of it (or MissingShard)."""
+        path = self.ckpt.file_path(name)
+        try:
+            return path, os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingShard(path) from None
+
     def open(self, name: str) -> tuple[h5py.File, int]:
         """Open the data file ``name``: a descriptor for the data, h5py for its structure.
 
@@ -114,11 +121,7 @@ class Reader:
         any of them, so a damaged file is reported as such
         (:class:`CheckpointTensorError`) and never interpreted.
         """
-        path = self.ckpt.file_path(name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise MissingShard(path) from None
+        path, fd = self._open_fd(name)
         try:
             if self.verify:
                 self.ckpt.check_file(name, fd)
@@ -136,11 +139,7 @@ class Reader:
     def check_global(self) -> None:
         """With ``verify``, check ``global.h5`` of the per-rank layout (which loads never read)."""
         if self.verify and self.ckpt.layout == "per-rank":
-            path = self.ckpt.file_path(GLOBAL)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise MissingShard(path) from None
+            _, fd = self._open_fd(GLOBAL)
             try:
                 self.ckpt.check_file(GLOBAL, fd)
             finally:
@@ -526,14 +525,7 @@ def load_distributed_into(
     >>> fm.SimulatedBackend.run(3, resume)
     [([0.0, 1.0, 2.0], 0.1), ([3.0, 4.0, 5.0], 0.1), ([6.0, 7.0], 0.1)]
     """
-    if not isinstance(backend, Backend):
-        raise CheckpointInvalidArgument(f"backend must be a ferrompi backend, not {backend!r}")
-    try:
-        seconds = timeout_seconds(timeout, backend._timeout)
-    except FerrompiError as exc:
-        raise CheckpointInvalidArgument(str(exc)) from None
-    from ._save import exchange
-
+    seconds = step_seconds(backend, timeout)
     local = None
     try:
         ckpt = open_checkpoint(path, verify=verify)

@@ -337,6 +337,25 @@ def _plan(descs: list[dict], layout: str) -> list[TensorMeta]:
     return tensors
 
 
+def check_backend(backend) -> None:
+    """Raise :class:`CheckpointInvalidArgument` unless ``backend`` is a ferrompi backend."""
+    if not isinstance(backend, Backend):
+        raise CheckpointInvalidArgument(f"backend must be a ferrompi backend, not {backend!r}")
+
+
+def step_seconds(backend, timeout: Timeout) -> float:
+    """The deadline of each coordination step: ``timeout``, else the backend's.
+
+    Raises :class:`CheckpointInvalidArgument` for a bad backend or timeout,
+    before any communication.
+    """
+    check_backend(backend)
+    try:
+        return timeout_seconds(timeout, backend._timeout)
+    except FerrompiError as exc:
+        raise CheckpointInvalidArgument(str(exc)) from None
+
+
 def prepare(
     state_dict,
     path,
@@ -348,12 +367,7 @@ def prepare(
     timeout: Timeout,
 ) -> SaveJob:
     """Step 1 (collective): agree on the plan and reduce Partial DTensors."""
-    if not isinstance(backend, Backend):
-        raise CheckpointInvalidArgument(f"backend must be a ferrompi backend, not {backend!r}")
-    try:
-        seconds = timeout_seconds(timeout, backend._timeout)
-    except FerrompiError as exc:
-        raise CheckpointInvalidArgument(str(exc)) from None
+    seconds = step_seconds(backend, timeout)
     local_error = None
     try:
         path = os.path.abspath(os.fspath(path))
