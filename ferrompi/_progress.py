@@ -244,7 +244,7 @@ _POINT_TO_POINT = frozenset(
 
 #: A wait that has lasted this long starts looking at the status board, every
 #: as long again, for a peer that rejected the collective before communicating.
-PROBE_INTERVAL = 0.01
+PROBE_INTERVAL = _status.PROBE_INTERVAL
 
 
 class PeerRejected(Exception):
@@ -258,24 +258,8 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
     :data:`PROBE_INTERVAL` seconds, once the wait has lasted that long, the
     status board is read for a peer that rejected it (:func:`check_peers`).
     """
-    test = req.Test
-    monotonic = time.monotonic
-    yield_after = _status.yield_after
-    spins = 0
-    next_probe = 0.0
-    while not test(status):
-        spins += 1
-        if spins > yield_after:
-            os.sched_yield()
-        if not spins & 255:
-            now = monotonic()
-            if now > deadline:
-                return False
-            if probe is not None and now >= next_probe:
-                if next_probe:
-                    check_peers(*probe)
-                next_probe = now + PROBE_INTERVAL
-    return True
+    check = None if probe is None else functools.partial(check_peers, *probe)
+    return _status.spin_until(functools.partial(req.Test, status), deadline, check)
 
 
 def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:

@@ -58,7 +58,6 @@ Environment:
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
@@ -213,25 +212,11 @@ class NodeEngine:
 
     def _wait(self, word: int, value: int, deadline: float, probe) -> None:
         """Until every rank's counter ``word`` reaches ``value`` (or :class:`PeerWait`)."""
-        monotonic = time.monotonic
-        yield_after = _status.yield_after
         for f in self.flags:
-            if f[word] >= value:
-                continue
-            spins = 0
-            next_probe = 0.0
-            while f[word] < value:
-                spins += 1
-                if spins > yield_after:
-                    os.sched_yield()
-                if not spins & 255:
-                    now = monotonic()
-                    if now > deadline:
-                        raise PeerWait
-                    if probe is not None and now >= next_probe:
-                        if next_probe:
-                            probe()
-                        next_probe = now + 0.01
+            if f[word] < value and not _status.spin_until(
+                lambda f=f: f[word] >= value, deadline, probe
+            ):
+                raise PeerWait
         self.flag_win.Sync()
 
     def _post(self, word: int, value: int) -> None:
@@ -239,10 +224,8 @@ class NodeEngine:
         self.mine[word] = value
 
     def _rail_allreduce(self, view: np.ndarray, mpi_op, deadline: float) -> None:
-        from ._progress import _spin
-
         req = self.rail.Iallreduce(MPI.IN_PLACE, view, mpi_op)
-        if not _spin(req, None, deadline):
+        if not _status.spin_until(req.Test, deadline):
             raise PeerWait
 
     # -- the rounds ----------------------------------------------------------

@@ -165,6 +165,38 @@ _PROCESS: Participant | None = None
 #: :func:`ferrompi.init` creates the node's board.
 yield_after = 16
 
+#: A wait that has lasted this long starts calling its probe, every as long again.
+PROBE_INTERVAL = 0.01
+
+
+def spin_until(done, deadline: float, probe=None) -> bool:
+    """Call ``done()`` until it returns true (True), or until ``deadline`` passes (False).
+
+    The wait loop of every ferrompi wait (MPI requests, the node engine's
+    counters): it spins, calling ``sched_yield`` between tries once it has
+    made :data:`yield_after` of them, and reads the clock (``time.monotonic``)
+    every 256 tries. ``probe()``, if given, is called every
+    :data:`PROBE_INTERVAL` seconds once the wait has lasted that long; it
+    raises to end the wait.
+    """
+    monotonic = time.monotonic
+    patience = yield_after
+    spins = 0
+    next_probe = 0.0
+    while not done():
+        spins += 1
+        if spins > patience:
+            os.sched_yield()
+        if not spins & 255:
+            now = monotonic()
+            if now > deadline:
+                return False
+            if probe is not None and now >= next_probe:
+                if next_probe:
+                    probe()
+                next_probe = now + PROBE_INTERVAL
+    return True
+
 
 def _yield_after(node_ranks: int) -> int:
     forced = os.environ.get("FERROMPI_YIELD", "").strip()
