@@ -23,7 +23,6 @@ In one process, ``n`` simulated ranks driven from ``n`` threads:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
@@ -35,7 +34,7 @@ import numpy as np
 
 from . import (
     _status,
-    excepthook,  # noqa: F401 - importing it registers the exit handler
+    excepthook,  # importing it also registers the exit handler
     launch,
 )
 from ._flight import dump_participant
@@ -398,11 +397,7 @@ def abort(errorcode: int = 1, backend: Backend | None = None) -> None:
             print(f"ferrompi: fm.abort: flight record written to {path}", file=sys.stderr)
         except OSError as exc:
             print(f"ferrompi: fm.abort: flight record not written: {exc}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    comm = MPI.COMM_WORLD if backend is None else backend.comm
-    comm.Abort(errorcode)
-    os._exit(errorcode)  # not reached with a conforming MPI
+    excepthook.abort_comm(MPI.COMM_WORLD if backend is None else backend.comm, errorcode)
 
 
 def is_mpi_available() -> bool:

@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from . import _status
@@ -59,15 +60,34 @@ def abort_job(reason: str, errorcode: int = 1) -> None:
             banner += f"\nferrompi: flight record written to {dump_participant(participant)}"
         except OSError as exc:
             banner += f"\nferrompi: flight record not written: {exc}"
-    print(banner, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-        print(
-            f"ferrompi: rank {rank} calls MPI_Abort(COMM_WORLD, {errorcode}) to end every rank",
-            file=sys.stderr,
-            flush=True,
+    abort = MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized()
+    if abort:
+        banner += (
+            f"\nferrompi: rank {rank} calls MPI_Abort(COMM_WORLD, {errorcode}) to end every rank"
         )
-        MPI.COMM_WORLD.Abort(errorcode)
+    # one write, so that the banner's lines reach the launcher together
+    print(banner, file=sys.stderr, flush=True)
+    if abort:
+        abort_comm(MPI.COMM_WORLD, errorcode)
+    sys.stdout.flush()
+    os._exit(errorcode)
+
+
+#: Pause between a rank's last words and ``MPI_Abort``: the launcher forwards
+#: the ranks' output from pipes, and drops what it has not forwarded yet when
+#: the abort tears the job down.
+OUTPUT_DRAIN_SECONDS = 0.25
+
+
+def abort_comm(comm, errorcode: int) -> None:
+    """Flush this process's output, give the launcher time to forward it, ``comm.Abort``.
+
+    Never returns (``os._exit`` if a non-conforming MPI comes back).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(OUTPUT_DRAIN_SECONDS)
+    comm.Abort(errorcode)
     os._exit(errorcode)
 
 
