@@ -145,7 +145,7 @@ def test_a_failure_on_one_rank_is_reported_by_every_rank_with_one_traceback(tmp_
 @needs_mpiexec
 def test_a_hang_is_aborted_by_the_watchdog_and_the_run_ends_quickly(tmp_path):
     status, out, seconds = run_pytest(tmp_path, USER_TESTS + HANGS, n=3)
-    assert status != 0, out
+    assert status not in (0, 124, 137), (status, out)  # aborted, not passed nor killed
     assert seconds < 40, (seconds, out)  # 5 s timeout + start-up, not MPIEXEC_TIMEOUT
     assert (
         "test_user.py::test_hangs_on_rank_1 did not finish within 5 s (in its call): "
@@ -157,7 +157,8 @@ def test_a_hang_is_aborted_by_the_watchdog_and_the_run_ends_quickly(tmp_path):
     # ... and the others, blocked in the barrier it never reaches.
     assert re.search(r"ferrompi: rank 0 \(.*\): test test_user.py::test_hangs_on_rank_1", out), out
     assert "in barrier" in out, out
-    assert "MPI_Abort(MPI_COMM_WORLD, 1)" in out, out
+    # (MPICH's own "MPI_Abort(MPI_COMM_WORLD, 1)" line is not asserted: MPICH
+    # prints it inside MPI_Abort, and the launcher's teardown sometimes drops it.)
     # The earlier failure is not lost with the session's summary: rank 0 reports it, once.
     assert "1 failure(s) earlier in this session" in out, out
     assert "test_user.py::test_fails_on_rank_2: rank 2 failed: AssertionError: USER-FAILURE" in out
