@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from . import gpu
-from ._dtypes import mpi_datatype
+from ._dtypes import DATATYPES, mpi_datatype
 from ._simcomm import SimComm
 from .errors import InvalidArgument
 
@@ -100,6 +100,9 @@ def _device_input(x, op: str, comm):
 
 def datatype_of(arr, op: str):
     """The MPI datatype of ``arr``'s dtype, or ``InvalidArgument`` naming ``op``."""
+    dt = DATATYPES.get(arr.dtype)
+    if dt is not None:
+        return dt
     try:
         return mpi_datatype(arr.dtype)
     except InvalidArgument as exc:
@@ -152,10 +155,11 @@ def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str, like=None, com
             result = np.empty(shape, dtype)
             return result, result
         result = gpu.device_empty(shape, dtype, gpu.as_cupy(like, op))
-    elif isinstance(out, _ndarray):
-        if out.shape != shape or out.dtype != dtype or not out.flags.writeable:
+    elif type(out) is _ndarray or isinstance(out, _ndarray):
+        flags = out.flags
+        if out.shape != shape or out.dtype != dtype or not flags.writeable:
             check_out(out, shape, dtype, op)  # raises, saying which
-        if out.flags.c_contiguous:
+        if flags.c_contiguous:
             return out, out
         return out, np.empty(shape, dtype)
     else:
@@ -185,6 +189,8 @@ def overlaps(a, b) -> bool:
     """Whether ``a`` and ``b`` may share memory (never across host and device)."""
     if isinstance(a, _ndarray) is not isinstance(b, _ndarray):
         return False
+    if a is not b and a.base is None and b.base is None:
+        return False  # two arrays that own their memory never share it
     return bool(array_module(a).may_share_memory(a, b))
 
 

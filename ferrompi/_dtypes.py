@@ -12,16 +12,17 @@ from ._mpi import MPI
 from .errors import InvalidArgument, UnsupportedOp
 from .ops import ReduceOp
 
-__all__ = ["mpi_datatype", "mpi_op", "reduction", "SUPPORTED_DTYPES"]
+__all__ = ["DATATYPES", "mpi_datatype", "mpi_op", "reduction", "SUPPORTED_DTYPES"]
 
 #: Type characters of the dtypes numpy and MPI share (MPI predefined datatypes).
 _CODES = "?bBhHiIlLqQefdgFDG"
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(c) for c in _CODES)
 
-_DATATYPES: dict[np.dtype, object] = {}
+#: numpy dtype -> predefined MPI datatype (empty without MPI).
+DATATYPES: dict[np.dtype, object] = {}
 if MPI is not None:
     for _dt in SUPPORTED_DTYPES:
-        _DATATYPES[_dt] = MPI.Datatype.fromcode(_dt.char)
+        DATATYPES[_dt] = MPI.Datatype.fromcode(_dt.char)
 
 
 def mpi_datatype(dtype: np.dtype) -> object:
@@ -33,7 +34,7 @@ def mpi_datatype(dtype: np.dtype) -> object:
         For dtypes MPI has no predefined datatype for (object, str, structured...).
     """
     try:
-        return _DATATYPES[dtype]
+        return DATATYPES[dtype]
     except KeyError:
         pass
     names = dict.fromkeys(str(d) for d in SUPPORTED_DTYPES)  # int64 is both l and q

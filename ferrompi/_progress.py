@@ -2,7 +2,9 @@
 
 Every ferrompi operation starts MPI non-blocking calls and waits for them
 here. The wait loop calls ``Request.Test`` (which drives MPI's progress
-engine, as a blocking ``Wait`` would). After 512 tests (16 when the node
+engine, as a blocking ``Wait`` would): first up to 64 times in a bare loop
+(``_status.quick_tests``; a small message completes there), then in a loop
+that also watches the clock. After 512 tests (16 when the node
 runs more ranks than there are cores) it calls ``sched_yield`` between
 tests, so that a peer that needs the core gets it (``_status.yield_after``);
 it reads the clock once every 256 tests to check the deadline. It never
@@ -251,6 +253,19 @@ class PeerRejected(Exception):
     """Raised by a wait's probe: a peer rejected this collective locally."""
 
 
+def _quick_test(test, status) -> bool:
+    """Call ``test(status)`` up to ``len(_status.quick_tests)`` times; True once it is true.
+
+    Waits try this bare loop before :func:`_spin`: a small message completes
+    within it, without the cost of setting up the deadline and probe checks
+    (1-1.5 us per call, measured with 2 ranks).
+    """
+    for _ in _status.quick_tests:
+        if test(status):
+            return True
+    return False
+
+
 def _spin(req, status, deadline: float, probe=None) -> bool:
     """Test ``req`` until it completes (True) or the deadline passes (False).
 
@@ -424,8 +439,10 @@ class PendingCollective:
         try:
             if len(reqs) == 1 and self._statuses is None:
                 req = reqs[0]
-                finished = req.Test() or _wait_requests(
-                    reqs, None, time.monotonic() + seconds, probe
+                finished = (
+                    req.Test()
+                    or _quick_test(req.Test, None)
+                    or _wait_requests(reqs, None, time.monotonic() + seconds, probe)
                 )
             else:
                 finished = _wait_requests(reqs, self._statuses, time.monotonic() + seconds, probe)
@@ -546,7 +563,7 @@ def complete(
     given, receives the request's status.
     """
     try:
-        if not req.Test(status):
+        if not req.Test(status) and not _quick_test(req.Test, status):
             seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
             probe = (state, seq, _status.OPS[opcode]) if peer < 0 < seq else None
             simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)

@@ -109,7 +109,7 @@ def _finish_output(result, keep: tuple) -> None:
         copy_into(result, buf)
 
 
-def _conclude(blocking, state, opcode, seq, req, result, buf, divisor, inputs, timeout, backend):
+def _conclude(blocking, state, opcode, seq, req, result, buf, divisor, inputs, timeout):
     """Wait (``blocking``) or return the :class:`PendingCollective` of one request."""
     if buf is result and not divisor:
         finish, keep = None, inputs
@@ -128,8 +128,6 @@ def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np
     """
     if out is None or (in_place and buf is x):
         return x
-    if type(x) is _ndarray and type(buf) is _ndarray:
-        return x.copy() if np.may_share_memory(x, buf) else x
     return x.copy() if overlaps(x, buf) else x
 
 
@@ -232,7 +230,7 @@ def _allreduce(
         raise mpi_error(_status.OPS[opcode], exc) from None
     if blocking and buf is result and not divisor:
         return complete(state, opcode, seq, req, result, None, x, timeout)
-    return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout, backend)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout)
 
 
 def allreduce(
@@ -475,7 +473,7 @@ def _broadcast(
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc, n) from None
-    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout, backend)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout)
 
 
 def broadcast(
@@ -556,7 +554,7 @@ def _all_gather(
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout, backend)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout)
 
 
 def all_gather(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.ndarray:
@@ -652,7 +650,7 @@ def _reduce_scatter(
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout, backend)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout)
 
 
 def reduce_scatter(
@@ -739,7 +737,7 @@ def _all_to_all(
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout, backend)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout)
 
 
 def all_to_all(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.ndarray:
@@ -914,7 +912,7 @@ def all_to_all_single_uneven(
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, scounts, sdispls, rcounts, rdispls)
-    return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout, backend)
+    return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout)
 
 
 def _uneven_problems(table: np.ndarray, size: int, row_shape: tuple[int, ...]) -> list[str]:
@@ -1134,7 +1132,7 @@ def _start_all_gather_v(backend, opcode, seq, x, counts, timeout, blocking: bool
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, rcounts, displs)
-    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, keep, timeout, backend)
+    return _conclude(blocking, state, opcode, seq, req, result, buf, 0, keep, timeout)
 
 
 def reduce_scatter_v(
@@ -1185,7 +1183,7 @@ def reduce_scatter_v(
         raise mpi_error(name, exc) from None
     divisor = state.size if mean else 0
     keep = (x, rcounts)
-    return _conclude(True, state, opcode, seq, req, result, buf, divisor, keep, timeout, backend)
+    return _conclude(True, state, opcode, seq, req, result, buf, divisor, keep, timeout)
 
 
 def all_to_all_v(
@@ -1255,4 +1253,4 @@ def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout 
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, scounts, sdispls, rcounts, rdispls)
-    return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout, backend)
+    return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout)

@@ -181,8 +181,12 @@ def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> Pend
 
 
 def _shape(shape, name: str) -> tuple[int, ...]:
-    if type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape):
-        return shape
+    if type(shape) is tuple:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     try:
         dims = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
     except (TypeError, ValueError):
