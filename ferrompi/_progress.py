@@ -553,14 +553,25 @@ def rejection_error(
 
 
 def complete(
-    state, opcode, seq, req, result, finish=None, keep=None, timeout=None, peer=-1, status=None
+    state,
+    opcode,
+    seq,
+    req,
+    result,
+    finish=None,
+    keep=None,
+    timeout=None,
+    peer=-1,
+    status=None,
+    expected=None,
 ):
     """Wait for one request and return ``result``: the blocking calls' fast path.
 
     Equivalent to ``PendingCollective(...).wait()`` without building the
     object unless the request is simulated or the deadline passes.
     ``finish(result, keep)``, if given, runs on completion; ``status``, if
-    given, receives the request's status.
+    given, receives the request's status; ``expected`` (elements) makes a
+    truncated receive a :class:`SizeMismatch`.
     """
     try:
         if not req.Test(status) and not _quick_test(req.Test, status):
@@ -579,11 +590,12 @@ def complete(
                     seconds,
                     statuses=statuses,
                     peer=peer,
+                    expected=expected,
                     keep=keep,
                 )._wait_rest(seconds)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
-        raise mpi_error(_status.OPS[opcode], exc) from None
+        raise mpi_error(_status.OPS[opcode], exc, expected) from None
     except PeerRejected as exc:
         _ABANDONED.append(((req,), result, keep))
         raise rejection_error(state, exc) from None

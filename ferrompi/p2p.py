@@ -435,7 +435,9 @@ def sendrecv(
         state.end(_status.FAILED)
         raise mpi_error("sendrecv", exc) from None
     keep = (buf, status, "sendrecv", x)
-    return complete(state, opcode, 0, req, result, _check_received, keep, timeout, peer, status)
+    return complete(
+        state, opcode, 0, req, result, _check_received, keep, timeout, peer, status, buf.size
+    )
 
 
 def recv_with_timeout(

@@ -97,6 +97,28 @@ def test_recv_size_mismatch_is_exact_and_consumes(multigroup):
     multigroup.run(_size_mismatch)
 
 
+def _sendrecv_size_mismatch(b):
+    """sendrecv receives straight into its buffer: a larger message is MPI's
+    truncation (``got`` unknown), a smaller one is counted; both are consumed."""
+    rank = b.rank
+    if rank == 0:
+        np.testing.assert_array_equal(fm.sendrecv(np.ones(5), (2,), 1, b), [7.0, 7.0])
+        with pytest.raises(fm.SizeMismatch) as info:
+            fm.sendrecv(np.ones(1), (3,), 1, b)
+        assert (info.value.expected, info.value.got) == (3, 2)
+    elif rank == 1:
+        with pytest.raises(fm.SizeMismatch) as info:
+            fm.sendrecv(np.full(2, 7.0), (4,), 0, b)
+        assert (info.value.expected, info.value.got) == (4, None)
+        assert "holds 4 elements but the message carries more" in str(info.value)
+        np.testing.assert_array_equal(fm.sendrecv(np.full(2, 7.0), (1,), 0, b), [1.0])
+    assert fm.allreduce(np.ones(1), b)[0] == b.world_size
+
+
+def test_sendrecv_size_mismatch_is_size_mismatch(multigroup):
+    multigroup.run(_sendrecv_size_mismatch)
+
+
 def _bad_peers(b):
     size, rank = b.world_size, b.rank
     with pytest.raises(fm.SelfSend, match="self rank"):
