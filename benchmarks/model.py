@@ -55,6 +55,8 @@ import math
 
 import numpy as np
 
+from ferrompi._shm import THRESHOLDS
+
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -96,7 +98,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--alpha-net", type=float, default=2e-6, help="seconds per message")
     parser.add_argument("--bandwidth-net", type=float, default=12.5e9, help="bytes per second")
-    parser.add_argument("--threshold", type=int, default=256 * KiB, help="engine threshold")
+    parser.add_argument(
+        "--threshold",
+        type=int,
+        default=THRESHOLDS["allreduce"],
+        help="engine threshold (default: ferrompi's)",
+    )
     parser.add_argument(
         "--node-memory-bandwidth", type=float, default=100e9, help="bytes per second per node"
     )

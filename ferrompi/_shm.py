@@ -68,11 +68,12 @@ from .errors import InvalidArgument
 __all__ = ["NodeEngine", "THRESHOLDS", "LIMITS", "enabled"]
 
 #: Default message sizes (bytes per rank) from which the engine is used,
-#: measured on the 2-core development machine with 2 and 4 ranks
-#: (docs/performance.md): allreduce wins from 256 KiB on; MPICH's own
-#: reduce_scatter and all_gather were as fast or faster at most sizes there,
-#: so those use the engine only when ``FERROMPI_SHM_THRESHOLD`` asks for it.
-THRESHOLDS = {"allreduce": 256 << 10, "reduce_scatter": 1 << 62, "all_gather": 1 << 62}
+#: measured on the 2-core development machine with 2 and 4 ranks against
+#: ferrompi's MPI path in the same job (docs/performance.md): allreduce and
+#: reduce_scatter win from 48-64 KiB on (reduce_scatter on one node only);
+#: the engine's all_gather wins at 256 KiB-1 MiB but loses from 4 MiB on, so
+#: it is used only when ``FERROMPI_SHM_THRESHOLD`` asks for it.
+THRESHOLDS = {"allreduce": 64 << 10, "reduce_scatter": 64 << 10, "all_gather": 1 << 62}
 
 #: Bytes of one round in each rank's window (two rounds are kept).
 SLOT_BYTES = 2 << 20

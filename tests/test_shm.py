@@ -125,6 +125,23 @@ def test_reduce_scatter_and_all_gather_on_one_node(engine_everywhere):
     assert b._state.shm and b._state.shm.rail is None
 
 
+def test_default_thresholds_route_64_kib_to_the_engine():
+    # the defaults, not the fixture: allreduce and reduce_scatter of 64 KiB per
+    # rank run on the engine and give MPI's integer sums bit for bit
+    b = fresh_world()
+    p, r = b.world_size, b.rank
+    x = rank_data(r, (p * 1024, 8), np.int64, seed=5)  # p blocks of 64 KiB
+    assert _shm.LIMITS["reduce_scatter"] <= x.nbytes and _shm.LIMITS["allreduce"] <= 64 * 1024
+    mpi = np.empty((1024, 8), np.int64)
+    b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
+    np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
+    assert b._state.shm, "the engine was not used"
+    y = x[:1024]
+    mpi = np.empty_like(y)
+    b.comm.Allreduce(y, mpi, MPI.SUM)
+    np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
+
+
 def test_a_rank_that_never_arrives_times_out_in_the_engine(engine_everywhere):
     b = fresh_world()
     fm.allreduce(np.ones(300), b)  # builds the engine on every rank
