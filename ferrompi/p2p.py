@@ -29,7 +29,16 @@ from datetime import timedelta
 import numpy as np
 
 from . import _status
-from ._arrays import as_input, check_rank, copy_into, datatype_of, is_device, output, overlaps
+from ._arrays import (
+    as_input,
+    check_rank,
+    copy_into,
+    datatype_of,
+    is_device,
+    output,
+    overlaps,
+    plain_pair,
+)
 from ._mpi import MPI
 from ._progress import PendingCollective, complete, mpi_error, timeout_seconds
 from ._simcomm import SimComm
@@ -415,12 +424,16 @@ def sendrecv(
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         peer = _peer(state, peer, "sendrecv", "peer")
         tag = _tag(tag, "sendrecv")
-        like, x = x, as_input(x, "sendrecv", state.comm)
-        dt = datatype_of(x, "sendrecv")
         shape = _shape(recv_shape, "sendrecv")
-        result, buf = output(out, shape, x.dtype, "sendrecv", like, state.comm)
-        if out is not None and overlaps(x, buf):
-            x = x.copy()  # MPI must not receive into what it is sending
+        dt = plain_pair(x, out, shape)
+        if dt is not None:
+            result = buf = out
+        else:
+            like, x = x, as_input(x, "sendrecv", state.comm)
+            dt = datatype_of(x, "sendrecv")
+            result, buf = output(out, shape, x.dtype, "sendrecv", like, state.comm)
+            if out is not None and overlaps(x, buf):
+                x = x.copy()  # MPI must not receive into what it is sending
     except FerrompiError:
         state.fail_before_start(opcode)
         raise

@@ -97,6 +97,37 @@ def test_recv_size_mismatch_is_exact_and_consumes(multigroup):
     multigroup.run(_size_mismatch)
 
 
+def _sendrecv_out(b):
+    """out=: written and returned (the fast path), in place, strided, and rejected."""
+    rank, peer = b.rank, b.rank ^ 1
+    if peer < b.world_size:
+        mine = np.arange(6.0) + 10 * rank
+        theirs = np.arange(6.0) + 10 * peer
+        out = np.zeros(6)
+        assert fm.sendrecv(mine, (6,), peer, b, out=out) is out
+        np.testing.assert_array_equal(out, theirs)
+        x = mine.copy()  # in place: what is sent is read before it is overwritten
+        assert fm.sendrecv(x, (6,), peer, b, out=x) is x
+        np.testing.assert_array_equal(x, theirs)
+        wide = np.zeros((2, 6))
+        fm.sendrecv(mine.reshape(2, 3), (2, 3), peer, b, out=wide[:, ::2])
+        np.testing.assert_array_equal(wide[:, ::2], theirs.reshape(2, 3))
+        np.testing.assert_array_equal(wide[:, 1::2], 0.0)
+        with pytest.raises(fm.InvalidArgument, match="shape"):
+            fm.sendrecv(mine, (6,), peer, b, out=np.zeros(5))
+        frozen = np.zeros(6)
+        frozen.flags.writeable = False
+        with pytest.raises(fm.InvalidArgument):
+            fm.sendrecv(mine, (6,), peer, b, out=frozen)
+        with pytest.raises(fm.InvalidArgument, match="dtype"):
+            fm.sendrecv(mine, (6,), peer, b, out=np.zeros(6, np.float32))
+    assert fm.allreduce(np.ones(1), b)[0] == b.world_size
+
+
+def test_sendrecv_out(multigroup):
+    multigroup.run(_sendrecv_out)
+
+
 def _sendrecv_size_mismatch(b):
     """sendrecv receives straight into its buffer: a larger message is MPI's
     truncation (``got`` unknown), a smaller one is counted; both are consumed."""
