@@ -51,6 +51,7 @@ from ._arrays import (
     datatype_of,
     output,
     overlaps,
+    plain_pair,
 )
 from ._dtypes import mpi_op, reduction
 from ._mpi import MPI
@@ -533,11 +534,17 @@ def _all_gather(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        like, x = x, as_input(x, name, state.comm)
-        dt = datatype_of(x, name)
-        shape = (state.size * x.shape[0], *x.shape[1:]) if x.ndim else (state.size,)
-        result, buf = output(out, shape, x.dtype, name, like, state.comm)
-        x = _separate(x, buf, out)
+        dt = None
+        if type(x) is _ndarray and x.ndim:
+            dt = plain_pair(x, out, (state.size * x.shape[0], *x.shape[1:]))
+        if dt is not None:
+            result = buf = out
+        else:
+            like, x = x, as_input(x, name, state.comm)
+            dt = datatype_of(x, name)
+            shape = (state.size * x.shape[0], *x.shape[1:]) if x.ndim else (state.size,)
+            result, buf = output(out, shape, x.dtype, name, like, state.comm)
+            x = _separate(x, buf, out)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -723,10 +730,14 @@ def _all_to_all(
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         like, x = x, as_input(x, name, state.comm)
-        dt = datatype_of(x, name)
         _rows_divisible(x, state.size, name)
-        result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
-        x = _separate(x, buf, out)
+        dt = plain_pair(x, out, x.shape)
+        if dt is not None:
+            result = buf = out
+        else:
+            dt = datatype_of(x, name)
+            result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
+            x = _separate(x, buf, out)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
