@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--threshold",
         type=int,
-        default=THRESHOLDS["allreduce"],
-        help="engine threshold (default: ferrompi's)",
+        default=THRESHOLDS["allreduce_hierarchical"],
+        help="hierarchical allreduce threshold (default: ferrompi's)",
     )
     parser.add_argument(
         "--node-memory-bandwidth", type=float, default=100e9, help="bytes per second per node"
@@ -154,11 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         halving = 2 * math.log2(total) * alpha_net + 2 * per_node * n * (1 - 1 / nodes) * beta_net
         ring = 2 * (total - 1) * (alpha_net + n / total * beta_net)
         hier = a_node + b_node * n + 2 * (nodes - 1) * (alpha_net + n / nodes * beta_net)
-        choice = (
-            "hierarchical (node engine + MPI rails)"
-            if n >= args.threshold
-            else "MPI (MPICH's choice: recursive doubling)"
-        )
+        if n >= args.threshold:
+            choice = "hierarchical (node engine + MPI rails)"
+        elif n <= 2 * KiB:  # MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE
+            choice = "MPI (MPICH's choice: recursive doubling)"
+        else:
+            choice = "MPI (MPICH's choice: Rabenseifner)"
         print(
             f"{n:>10}{fmt(doubling):>15}{fmt(halving):>15}{fmt(ring):>13}{fmt(hier):>15}   {choice}"
         )

@@ -46,9 +46,9 @@ Environment:
 ``FERROMPI_SHM``
     ``0`` disables the engine (every collective goes through MPI).
 ``FERROMPI_SHM_THRESHOLD``
-    Message size in bytes from which blocking allreduce, reduce_scatter and
-    all_gather use the engine; overrides the measured defaults
-    (:data:`THRESHOLDS`).
+    Message size in bytes from which blocking allreduce (on one node or
+    across nodes), reduce_scatter and all_gather use the engine; overrides
+    the defaults (:data:`THRESHOLDS`).
 ``FERROMPI_SHM_GROUP_SIZE``
     Treat consecutive blocks of this many ranks as one node (default: the
     real nodes, from ``Split_type``). Every block must still lie within one
@@ -73,7 +73,16 @@ __all__ = ["NodeEngine", "THRESHOLDS", "LIMITS", "enabled"]
 #: reduce_scatter win from 48-64 KiB on (reduce_scatter on one node only);
 #: the engine's all_gather wins at 256 KiB-1 MiB but loses from 4 MiB on, so
 #: it is used only when ``FERROMPI_SHM_THRESHOLD`` asks for it.
-THRESHOLDS = {"allreduce": 64 << 10, "reduce_scatter": 64 << 10, "all_gather": 1 << 62}
+#: Across nodes the hierarchical allreduce starts at 1 MiB instead: the
+#: alpha-beta model fitted to this machine (docs/performance.md; a network
+#: cannot be measured here) has MPICH's own algorithms faster below that on
+#: 64 nodes of 8 ranks.
+THRESHOLDS = {
+    "allreduce": 64 << 10,
+    "allreduce_hierarchical": 1 << 20,
+    "reduce_scatter": 64 << 10,
+    "all_gather": 1 << 62,
+}
 
 #: Bytes of one round in each rank's window (two rounds are kept).
 SLOT_BYTES = 2 << 20

@@ -219,7 +219,9 @@ def _allreduce(
     divisor = state.size if mean else 0
     if blocking and x.nbytes >= _shm.LIMITS["allreduce"] and _on_host(x, buf):
         engine = _node_engine(backend, timeout)
-        if engine is not None:
+        if engine is not None and (
+            engine.rail is None or x.nbytes >= _shm.LIMITS["allreduce_hierarchical"]
+        ):
             seq = state.begin(opcode, -1, x.shape, dtype, op, -1, timeout)
             _on_node(state, opcode, seq, lambda d, p: engine.allreduce(x, buf, mop, d, p), timeout)
             return _done_on_node(state, result, buf, divisor)

@@ -142,6 +142,22 @@ def test_default_thresholds_route_64_kib_to_the_engine():
     np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
 
 
+def test_across_nodes_the_engine_starts_at_the_hierarchical_threshold(monkeypatch):
+    # default thresholds with pretend nodes: 64 KiB goes through MPI (the
+    # engine exists but runs no round), 1 MiB through the hierarchical engine
+    size = MPI.COMM_WORLD.size
+    monkeypatch.setenv("FERROMPI_SHM_GROUP_SIZE", "2" if size == 4 else "1")
+    b = fresh_world()
+    for nbytes, engine_rounds in ((64 << 10, False), (1 << 20, True)):
+        x = rank_data(b.rank, (nbytes // 8,), np.int64, seed=nbytes)
+        mpi = np.empty_like(x)
+        b.comm.Allreduce(x, mpi, MPI.SUM)
+        np.testing.assert_array_equal(fm.allreduce(x, b), mpi)
+        engine = b._state.shm
+        assert engine and engine.rail is not None
+        assert (engine.round > 0) is engine_rounds, (nbytes, engine.round)
+
+
 def test_a_rank_that_never_arrives_times_out_in_the_engine(engine_everywhere):
     b = fresh_world()
     fm.allreduce(np.ones(300), b)  # builds the engine on every rank
