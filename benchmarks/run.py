@@ -14,7 +14,10 @@ once, in turn (interleaved, so that all of them see the same machine state):
 a barrier, then ``k`` back-to-back calls, timed; ``k`` is calibrated once so
 that a block lasts about ``--block-ms``. A sample is the slowest rank's time
 per call. The table gives the median of ``--reps`` samples, with min and p90
-in the JSON output; ratios are of medians from the same run.
+in the JSON output; ratios are of medians from the same run. The column
+``ferrompi-mpi4py`` is the median over repetitions of the difference between
+the two samples of one repetition: the time ferrompi adds per call, paired
+so that both terms saw the same moment of the machine.
 
 Implementations (every buffer allocated and touched before timing):
 
@@ -483,16 +486,23 @@ def memory_report(world, comm) -> dict[str, float]:
 def table(results: list[dict], impls: list[str]) -> str:
     lines = []
     head = f"{'op':<22}{'size':>10}" + "".join(f"{name:>20}" for name in impls)
-    head += f"{'ferrompi/mpi4py':>17}{'gloo/ferrompi':>15}"
+    head += f"{'ferrompi/mpi4py':>17}{'gloo/ferrompi':>15}{'ferrompi-mpi4py':>17}"
     lines.append(head)
     for row in results:
+        paired = f"{'-':>17}"
+        samples = row["samples"]
+        if "ferrompi" in samples and "mpi4py" in samples:
+            added = statistics.median(
+                f - m for f, m in zip(samples["ferrompi"], samples["mpi4py"], strict=True)
+            )
+            paired = f"{added * 1e6:+14.1f} us"
         med = {k: v["median"] for k, v in row["stats"].items()}
         cells = "".join(f"{fmt_time(med[name]) if name in med else '-':>20}" for name in impls)
         fm_med = med.get("ferrompi")
         raw = med.get("mpi4py") or med.get("mpi4py 100 calls")
         ratio = f"{fm_med / raw:17.2f}" if fm_med and raw else f"{'-':>17}"
         gloo = f"{med['gloo'] / fm_med:15.1f}" if "gloo" in med and fm_med else f"{'-':>15}"
-        lines.append(f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}")
+        lines.append(f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}{paired}")
     return "\n".join(lines)
 
 
