@@ -529,6 +529,11 @@ def async_broadcast(
 # ---------------------------------------------------------------------------
 
 
+def _gathered_shape(x, size: int) -> tuple[int, ...]:
+    """Shape of the all_gather of ``x`` over ``size`` ranks (a 0-d ``x`` gives ``(size,)``)."""
+    return (size * x.shape[0], *x.shape[1:]) if x.ndim else (size,)
+
+
 def _all_gather(
     x, backend: Backend, out, timeout, opcode: int, blocking: bool
 ) -> PendingCollective | np.ndarray:
@@ -536,15 +541,13 @@ def _all_gather(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        dt = None
-        if type(x) is _ndarray and x.ndim:
-            dt = plain_pair(x, out, (state.size * x.shape[0], *x.shape[1:]))
+        dt = plain_pair(x, out, _gathered_shape(x, state.size)) if type(x) is _ndarray else None
         if dt is not None:
             result = buf = out
         else:
             like, x = x, as_input(x, name, state.comm)
             dt = datatype_of(x, name)
-            shape = (state.size * x.shape[0], *x.shape[1:]) if x.ndim else (state.size,)
+            shape = _gathered_shape(x, state.size)
             result, buf = output(out, shape, x.dtype, name, like, state.comm)
             x = _separate(x, buf, out)
     except FerrompiError:

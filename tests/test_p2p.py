@@ -117,7 +117,7 @@ def _sendrecv_out(b):
             fm.sendrecv(mine, (6,), peer, b, out=np.zeros(5))
         frozen = np.zeros(6)
         frozen.flags.writeable = False
-        with pytest.raises(fm.InvalidArgument):
+        with pytest.raises(fm.InvalidArgument, match="read-only"):
             fm.sendrecv(mine, (6,), peer, b, out=frozen)
         with pytest.raises(fm.InvalidArgument, match="dtype"):
             fm.sendrecv(mine, (6,), peer, b, out=np.zeros(6, np.float32))

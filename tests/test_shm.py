@@ -135,11 +135,14 @@ def test_default_thresholds_route_64_kib_to_the_engine():
     mpi = np.empty((1024, 8), np.int64)
     b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
     np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
-    assert b._state.shm, "the engine was not used"
+    engine = b._state.shm
+    assert engine and engine.rail is None and engine.round > 0, "reduce_scatter ran on MPI"
+    rounds = engine.round
     y = x[:1024]
     mpi = np.empty_like(y)
     b.comm.Allreduce(y, mpi, MPI.SUM)
     np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
+    assert engine.round > rounds, "allreduce ran on MPI"
 
 
 def test_across_nodes_the_engine_starts_at_the_hierarchical_threshold(monkeypatch):
