@@ -552,6 +552,25 @@ def rejection_error(
     return DistributedError(str(exc))
 
 
+def wait_step(state: CommState, opcode: int, seq: int, req, timeout: float | None) -> None:
+    """Wait for ``req``, a first step of collective ``seq`` that goes on communicating.
+
+    The checks and errors of :meth:`PendingCollective.wait`, but the
+    operation stays active on the status board and in the flight record:
+    its end is recorded by the step that completes it. A step that finishes
+    within the bare test loop builds no object (the common case).
+    """
+    if req.Test() or _quick_test(req.Test, None):
+        return
+    PendingCollective(state, opcode, seq, (req,), None, None, timeout).wait()
+    rec = state.rec
+    rec[_W_STATE] = _ACTIVE
+    rec[_W_T_END] = 0
+    entry = state.last
+    entry[8] = 0
+    entry[9] = _ACTIVE
+
+
 def complete(
     state,
     opcode,

@@ -64,6 +64,7 @@ from ._progress import (
     rejection_error,
     timeout_error,
     timeout_seconds,
+    wait_step,
 )
 from ._simcomm import SimComm
 from .backend import Backend
@@ -97,6 +98,7 @@ __all__ = [
 Timeout = float | timedelta | None
 
 _OP = _status.OPCODE
+_INT64 = MPI.INT64_T
 _ndarray = np.ndarray
 
 
@@ -895,23 +897,22 @@ def all_to_all_single_uneven(
         state.fail_before_start(opcode)
         raise
     row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
-    expect = [-1] * size if recv is None else recv
-    header = np.array([*send, *expect, row, ord(x.dtype.char)], dtype=np.int64)
+    header = np.array(
+        [*send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char)], dtype=np.int64
+    )
     table = np.empty((size, 2 * size + 2), dtype=np.int64)
-    hdt = MPI.INT64_T
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
-        req = state.comm.Iallgather([header, header.size, hdt], [table, header.size, hdt])
+        req = state.comm.Iallgather([header, _INT64], [table, _INT64])
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    PendingCollective(state, opcode, seq, (req,), table, None, timeout).wait()
+    wait_step(state, opcode, seq, req, timeout)
 
-    problems = _uneven_problems(table, size, x.shape[1:])
+    received, problems = _uneven_check(table, size, state.rank)
     if problems:
         state.end(_status.FAILED)
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
-    received = table[:, state.rank].tolist()  # rows each peer sends to this rank
     try:
         result, buf = output(out, (sum(received), *x.shape[1:]), x.dtype, name, like, state.comm)
     except FerrompiError:
@@ -931,27 +932,45 @@ def all_to_all_single_uneven(
     return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout)
 
 
-def _uneven_problems(table: np.ndarray, size: int, row_shape: tuple[int, ...]) -> list[str]:
-    """Every disagreement in the gathered split tables, the same on every rank."""
-    rows = table[:, 2 * size : 2 * size + 2].tolist()  # [elements per row, dtype char]
-    if any(r != rows[0] for r in rows):
+_VECTOR_CHECK_FROM = 16
+"""Group size from which :func:`_uneven_check` first compares the tables with numpy.
+
+The pair-by-pair Python loop costs O(size^2): 1.6 us at 2 ranks, 210 us at
+64; numpy costs 6.5 us at 2 ranks, 13 us at 64 (measured on one core).
+"""
+
+
+def _uneven_check(table: np.ndarray, size: int, rank: int) -> tuple[list[int], list[str]]:
+    """The rows each peer sends to ``rank``, and every disagreement in the split tables.
+
+    ``table[r]`` holds rank ``r``'s send splits, its recv splits (-1: take
+    the peers'), its elements per row and its dtype's character code. The
+    problems are the same on every rank.
+    """
+    if size >= _VECTOR_CHECK_FROM:
+        sent_rows, expected_rows = table[:, :size], table[:, size : 2 * size]
+        kinds = table[:, 2 * size :]
+        agree = (expected_rows == sent_rows.T) | (expected_rows < 0)
+        if agree.all() and (kinds == kinds[0]).all():
+            return sent_rows[:, rank].tolist(), []
+    rows = table.tolist()
+    kinds = [r[2 * size :] for r in rows]  # [elements per row, dtype char]
+    if kinds.count(kinds[0]) != size:
         each = ", ".join(
-            f"rank {r}: {n} elements of {np.dtype(chr(code))}" for r, (n, code) in enumerate(rows)
+            f"rank {r}: {n} elements of {np.dtype(chr(code))}" for r, (n, code) in enumerate(kinds)
         )
-        return [f"ranks disagree on the row size or dtype (rows of {each})"]
-    splits = table[:, : 2 * size].tolist()  # per rank: send splits, then recv splits
+        return [], [f"ranks disagree on the row size or dtype (rows of {each})"]
     problems = []
-    for dst in range(size):
-        expects = splits[dst]
-        for src in range(size):
-            sent = splits[src][dst]
+    for dst, expects in enumerate(rows):
+        for src, sends in enumerate(rows):
+            sent = sends[dst]
             expected = expects[size + src]
-            if expected >= 0 and expected != sent:
+            if sent != expected and expected >= 0:
                 problems.append(
                     f"rank {src} sends {sent} rows to rank {dst}, which expects {expected} "
                     f"(its recv_splits[{src}])"
                 )
-    return problems
+    return [r[rank] for r in rows], problems
 
 
 # ---------------------------------------------------------------------------

@@ -191,14 +191,7 @@ def check(state, h: np.ndarray, timeout: float | None = None) -> None:
     seq = int(h[SEQ])
     dt = mpi_datatype(h.dtype)
     req = comm.Iallgather([h, WORDS, dt], [table, WORDS, dt])
-    rec = state.rec
-    _progress.PendingCollective(state, opcode, seq, (req,), None, None, timeout).wait()
-    # The exchange marked the operation done; the collective itself follows.
-    rec[_status.STATE] = _status.ACTIVE
-    rec[_status.T_END] = 0
-    if state.last is not None:
-        state.last[8] = 0
-        state.last[9] = _status.ACTIVE
+    _progress.wait_step(state, opcode, seq, req, timeout)  # the collective itself follows
     if _agree(table):
         return
     calls = "".join(f"\n  rank {r} called {_describe(row)}" for r, row in enumerate(table))

@@ -362,6 +362,16 @@ def test_uneven_row_shape_mismatch_raises_on_every_rank(multigroup):
     multigroup.run(_uneven_row_shape_mismatch)
 
 
+@pytest.mark.parametrize("size", [16, 19])
+def test_uneven_large_groups_check_tables_with_numpy(size):
+    """From 16 ranks the split tables are compared with numpy before the pair-by-pair loop."""
+    assert size >= fm.collectives._VECTOR_CHECK_FROM
+    for pass_recv in (True, False):
+        fm.SimulatedBackend.run(size, _uneven, size, (2,), pass_recv)
+    fm.SimulatedBackend.run(size, _uneven_disagreeing_recv_splits)
+    fm.SimulatedBackend.run(size, _uneven_row_shape_mismatch)
+
+
 def _uneven_local_errors(b):
     size = b.world_size
     with pytest.raises(
