@@ -47,8 +47,8 @@ Environment:
     ``0`` disables the engine (every collective goes through MPI).
 ``FERROMPI_SHM_THRESHOLD``
     Message size in bytes from which blocking allreduce (on one node or
-    across nodes), reduce_scatter and all_gather use the engine; overrides
-    the defaults (:data:`THRESHOLDS`).
+    across nodes), reduce_scatter and all_gather use the engine, at every
+    larger size; overrides the defaults (:data:`THRESHOLDS`, :data:`CEILINGS`).
 ``FERROMPI_SHM_GROUP_SIZE``
     Treat consecutive blocks of this many ranks as one node (default: the
     real nodes, from ``Split_type``). Every block must still lie within one
@@ -65,14 +65,13 @@ from . import _status
 from ._mpi import MPI
 from .errors import InvalidArgument
 
-__all__ = ["NodeEngine", "THRESHOLDS", "LIMITS", "enabled"]
+__all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "enabled"]
 
 #: Default message sizes (bytes per rank) from which the engine is used,
 #: measured on the 2-core development machine with 2 and 4 ranks against
 #: ferrompi's MPI path in the same job (docs/performance.md): allreduce and
-#: reduce_scatter win from 48-64 KiB on (reduce_scatter on one node only);
-#: the engine's all_gather wins at 256 KiB-1 MiB but loses from 4 MiB on, so
-#: it is used only when ``FERROMPI_SHM_THRESHOLD`` asks for it.
+#: reduce_scatter win from 48-64 KiB on (reduce_scatter on one node only),
+#: all_gather (one node only) from 128 KiB up to its ceiling (:data:`CEILINGS`).
 #: Across nodes the hierarchical allreduce starts at 1 MiB instead: the
 #: alpha-beta model fitted to this machine (docs/performance.md; a network
 #: cannot be measured here) has MPICH's own algorithms faster below that on
@@ -81,8 +80,14 @@ THRESHOLDS = {
     "allreduce": 64 << 10,
     "allreduce_hierarchical": 1 << 20,
     "reduce_scatter": 64 << 10,
-    "all_gather": 1 << 62,
+    "all_gather": 128 << 10,
 }
+
+#: Default message sizes (bytes per rank) above which an operation goes back
+#: to MPI: the engine's all_gather copies every byte twice (into the window,
+#: out of it), and from 2 MiB MPICH's own transfer is faster (0.75 against
+#: 1.0 of the MPI path's time at 1 MiB, 1.1-1.7 from 2 MiB, 2 ranks).
+CEILINGS = {"all_gather": 1 << 20}
 
 #: Bytes of one round in each rank's window (two rounds are kept).
 SLOT_BYTES = 2 << 20
@@ -115,27 +120,36 @@ def enabled() -> bool:
     return os.environ.get("FERROMPI_SHM", "1").strip() != "0"
 
 
-def _limits() -> tuple[dict[str, float], str | None]:
-    """Bytes from which each operation uses the engine (read once, at import), and the
-    error to raise at first use if ``FERROMPI_SHM_THRESHOLD`` is not a size."""
+def _limits() -> tuple[dict[str, float], dict[str, float], str | None]:
+    """The thresholds and ceilings in force, and a configuration error or None.
+
+    Read once, at import. A ``FERROMPI_SHM_THRESHOLD`` applies to every size
+    above it (no ceilings); one that is not a size gives the error, raised
+    at first use of the engine.
+    """
     text = os.environ.get("FERROMPI_SHM_THRESHOLD")
     if not text:
-        return dict(THRESHOLDS), None
+        return dict(THRESHOLDS), dict(CEILINGS), None
+    unbounded = dict.fromkeys(CEILINGS, float("inf"))
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value >= 0:
         # every call then asks for the engine, which raises CONFIG_ERROR
-        return dict.fromkeys(THRESHOLDS, 0), (
-            f"FERROMPI_SHM_THRESHOLD must be a number of bytes, got {text!r}"
+        return (
+            dict.fromkeys(THRESHOLDS, 0),
+            unbounded,
+            (f"FERROMPI_SHM_THRESHOLD must be a number of bytes, got {text!r}"),
         )
-    return dict.fromkeys(THRESHOLDS, value), None
+    return dict.fromkeys(THRESHOLDS, value), unbounded, None
 
 
 #: The thresholds in force (bytes per rank): ``FERROMPI_SHM_THRESHOLD`` if set
-#: at import, else :data:`THRESHOLDS`. Every rank must use the same values.
-LIMITS, CONFIG_ERROR = _limits()
+#: at import, else :data:`THRESHOLDS`; and the ceilings in force (none when
+#: ``FERROMPI_SHM_THRESHOLD`` is set, else :data:`CEILINGS`). Every rank must
+#: use the same values.
+LIMITS, UPPER_LIMITS, CONFIG_ERROR = _limits()
 
 
 def _group_size() -> int | None:

@@ -556,7 +556,11 @@ def _all_gather(
         state.fail_before_start(opcode)
         raise
     n = x.size
-    if blocking and x.nbytes >= _shm.LIMITS["all_gather"] and _on_host(x, buf):
+    if (
+        blocking
+        and _shm.LIMITS["all_gather"] <= x.nbytes <= _shm.UPPER_LIMITS["all_gather"]
+        and _on_host(x, buf)
+    ):
         engine = _node_engine(backend, timeout)
         if engine is not None and engine.rail is None:
             seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)

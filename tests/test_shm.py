@@ -50,6 +50,7 @@ _NUMPY = {
 def engine_everywhere(monkeypatch):
     """Thresholds 0 and 1 KiB rounds, for backends created in the test."""
     monkeypatch.setattr(_shm, "LIMITS", dict.fromkeys(_shm.THRESHOLDS, 0))
+    monkeypatch.setattr(_shm, "UPPER_LIMITS", dict.fromkeys(_shm.CEILINGS, float("inf")))
     monkeypatch.setattr(_shm, "SLOT_BYTES", 1024)
 
 
@@ -143,6 +144,24 @@ def test_default_thresholds_route_64_kib_to_the_engine():
     b.comm.Allreduce(y, mpi, MPI.SUM)
     np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
     assert engine.round > rounds, "allreduce ran on MPI"
+
+
+def test_default_all_gather_window():
+    # the defaults: all_gather uses the engine from 128 KiB to 1 MiB per rank
+    # only, and every size gives MPI's bytes
+    b = fresh_world()
+    p, r = b.world_size, b.rank
+    ran = []
+    for nbytes in (64 << 10, 128 << 10, 1 << 20, 2 << 20):
+        x = rank_data(r, (nbytes // 8,), np.int64, seed=nbytes)
+        mpi = np.empty((p * x.size,), np.int64)
+        b.comm.Allgather(x, mpi)
+        engine = b._state.shm
+        rounds = engine.round if engine else 0
+        np.testing.assert_array_equal(fm.all_gather(x, b), mpi)
+        engine = b._state.shm
+        ran.append(bool(engine) and engine.round > rounds)
+    assert ran == [False, True, True, False]
 
 
 def test_across_nodes_the_engine_starts_at_the_hierarchical_threshold(monkeypatch):
