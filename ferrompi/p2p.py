@@ -395,8 +395,8 @@ def sendrecv(
 ) -> np.ndarray:
     """Send ``x`` to ``peer`` and receive ``peer``'s array of ``recv_shape`` (same dtype).
 
-    Both directions proceed together (an ``Irecv`` and an ``Isend``), so two ranks exchanging
-    with each other cannot deadlock.
+    Both directions proceed together (an ``Irecv`` and an ``Isend``), so two
+    ranks exchanging with each other cannot deadlock.
 
     Returns
     -------
