@@ -155,8 +155,8 @@ class Participant:
 _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
-#: Tests a ferrompi wait makes before it yields its core at every further
-#: test (``sched_yield``): 16 when this node runs more ranks than this process
+#: Tests a ferrompi wait makes before it starts yielding its core
+#: (``sched_yield``): 16 when this node runs more ranks than this process
 #: has cores (a spinning rank would hold a core its peer needs), else 512
 #: (about 150 us): short waits spin, as MPI's own blocking calls do, and do not
 #: hand the core to unrelated processes; long ones yield, so that a peer the
@@ -164,6 +164,14 @@ _PROCESS: Participant | None = None
 #: ``FERROMPI_YIELD=1``/``0`` forces 16 or never. Set when
 #: :func:`ferrompi.init` creates the node's board.
 yield_after = 16
+
+#: After :data:`yield_after` tests, a wait yields at one test in this many:
+#: every test (1) when the node runs more ranks than cores, else one in 64.
+#: A large message moves only while MPI's progress engine is called: yielding
+#: at every test made the 64 MiB uneven all-to-all 10-20 % slower than raw MPI
+#: with 2 ranks on 2 cores, one test in 64 made it 5-10 % faster
+#: (docs/timeouts.md). A power of two.
+yield_every = 1
 
 #: The tests a wait makes in a bare loop before its deadline-checking loop
 #: (:func:`ferrompi._progress.complete`): up to 64 (10-20 us, in which a small
@@ -178,19 +186,20 @@ def spin_until(done, deadline: float, probe=None) -> bool:
     """Call ``done()`` until it returns true (True), or until ``deadline`` passes (False).
 
     The wait loop of every ferrompi wait (MPI requests, the node engine's
-    counters): it spins, calling ``sched_yield`` between tries once it has
-    made :data:`yield_after` of them, and reads the clock (``time.monotonic``)
-    every 256 tries. ``probe()``, if given, is called every
+    counters): it spins, calling ``sched_yield`` once every
+    :data:`yield_every` tries once it has made :data:`yield_after` of them,
+    and reads the clock (``time.monotonic``) every 256 tries. ``probe()``, if given, is called every
     :data:`PROBE_INTERVAL` seconds once the wait has lasted that long; it
     raises to end the wait.
     """
     monotonic = time.monotonic
     patience = yield_after
+    mask = yield_every - 1
     spins = 0
     next_probe = 0.0
     while not done():
         spins += 1
-        if spins > patience:
+        if spins > patience and not spins & mask:
             os.sched_yield()
         if not spins & 255:
             now = monotonic()
@@ -203,15 +212,16 @@ def spin_until(done, deadline: float, probe=None) -> bool:
     return True
 
 
-def _yield_after(node_ranks: int) -> int:
+def _yield_policy(node_ranks: int) -> tuple[int, int]:
+    """``(yield_after, yield_every)`` for a node running ``node_ranks`` ranks."""
     forced = os.environ.get("FERROMPI_YIELD", "").strip()
     if forced in ("0", "1"):
-        return 16 if forced == "1" else 1 << 62
+        return (16, 1) if forced == "1" else (1 << 62, 1)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return 16 if node_ranks > cores else 512
+    return (16, 1) if node_ranks > cores else (512, 64)
 
 
 def process_participant(create_board: bool = False) -> Participant:
@@ -221,12 +231,12 @@ def process_participant(create_board: bool = False) -> Participant:
     :func:`ferrompi.init`) the record is placed on the node's shared board.
     Before that, the process writes into a private record no peer can read.
     """
-    global _PROCESS, yield_after, quick_tests
+    global _PROCESS, yield_after, yield_every, quick_tests
     with _PROCESS_LOCK:
         shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
         if create_board and not shared and MPI.COMM_WORLD.size > 1:
             _PROCESS = Participant(Board.for_mpi_world(), MPI.COMM_WORLD.rank, os.getpid())
-            yield_after = _yield_after(len(_PROCESS.board.rows))
+            yield_after, yield_every = _yield_policy(len(_PROCESS.board.rows))
             quick_tests = range(min(64, yield_after))
         elif _PROCESS is None:
             rank = MPI.COMM_WORLD.rank

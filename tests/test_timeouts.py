@@ -170,3 +170,41 @@ def test_invalid_environment_timeout_fails_at_first_use_not_import():
     )
     assert out.returncode == 0, out.stderr
     assert "raised: FERROMPI_TIMEOUT must be positive seconds, got 'soon'" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("forced", "node_ranks", "expected"),
+    [
+        ("", 1, (512, 64)),  # fewer ranks than cores: spin, then yield now and then
+        ("", 10_000, (16, 1)),  # more ranks than cores: yield soon, at every test
+        ("1", 1, (16, 1)),
+        ("0", 10_000, (1 << 62, 1)),  # never
+    ],
+)
+def test_yield_policy(monkeypatch, forced, node_ranks, expected):
+    from ferrompi import _status
+
+    monkeypatch.setenv("FERROMPI_YIELD", forced)
+    assert _status._yield_policy(node_ranks) == expected
+
+
+def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
+    from ferrompi import _status
+
+    yields = []
+    monkeypatch.setattr(_status.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(_status, "yield_after", 512)
+    monkeypatch.setattr(_status, "yield_every", 64)
+    tries = iter(range(2000))
+    assert _status.spin_until(lambda: next(tries) == 1999, time.monotonic() + 60)
+    # tests 513..1999 that are multiples of 64: 576, 640, ..., 1984
+    assert len(yields) == len(range(576, 2000, 64)) == 23
+    yields.clear()
+    monkeypatch.setattr(_status, "yield_every", 1)
+    tries = iter(range(100))
+    assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
+    assert not yields  # 99 failed tests, fewer than yield_after
+    monkeypatch.setattr(_status, "yield_after", 16)
+    tries = iter(range(100))
+    assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
+    assert len(yields) == 99 - 16
