@@ -8,9 +8,8 @@ that also watches the clock. After 512 tests it calls ``sched_yield`` at one
 test in 64, and when the node runs more ranks than there are cores, after
 16 tests at every test, so that a peer that needs the core gets it
 (``_status.yield_after``, ``_status.yield_every``); it reads the clock once
-every 256 tests to check the deadline. It never
-sleeps: MPI progresses only while some thread calls into it, so a sleeping
-rank would stall its peers.
+every 256 tests to check the deadline. It never sleeps: MPI progresses only
+while some thread calls into it, so a sleeping rank would stall its peers.
 
 Cost model (measured here with MPICH, 2 cores): one ``Test`` costs about
 0.1-0.3 us, and ``sched_yield`` about 0.3 us when no other process waits for

@@ -188,9 +188,9 @@ def spin_until(done, deadline: float, probe=None) -> bool:
     The wait loop of every ferrompi wait (MPI requests, the node engine's
     counters): it spins, calling ``sched_yield`` once every
     :data:`yield_every` tries once it has made :data:`yield_after` of them,
-    and reads the clock (``time.monotonic``) every 256 tries. ``probe()``, if given, is called every
-    :data:`PROBE_INTERVAL` seconds once the wait has lasted that long; it
-    raises to end the wait.
+    and reads the clock (``time.monotonic``) every 256 tries. ``probe()``, if
+    given, is called every :data:`PROBE_INTERVAL` seconds once the wait has
+    lasted that long; it raises to end the wait.
     """
     monotonic = time.monotonic
     patience = yield_after

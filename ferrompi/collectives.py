@@ -1093,7 +1093,7 @@ def all_gather_v(
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    PendingCollective(state, opcode, seq, (req,), table, None, timeout).wait()
+    wait_step(state, opcode, seq, req, timeout)
     problems = _gather_problems(table)
     if problems:
         state.end(_status.FAILED)
