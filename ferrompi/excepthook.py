@@ -79,13 +79,45 @@ def abort_job(reason: str, errorcode: int = 1) -> None:
 OUTPUT_DRAIN_SECONDS = 0.25
 
 
+_MPICH_SEGMENT_PREFIX = "/dev/shm/mpich_shm_"  # MPICH's node-local segments of a job
+
+
+def _unlink_mpich_segments() -> None:
+    """Remove the names of the MPICH shared-memory segments this process maps.
+
+    MPICH removes them in ``MPI_Finalize``; after ``MPI_Abort`` nobody does,
+    and every aborted job would leave 1-4 MiB per node in ``/dev/shm``
+    until the machine reboots (measured: 544 segments, 1.5 GB, after a day
+    of test runs). Mappings outlive the names, so the ranks still running
+    are not disturbed. Other files in ``/dev/shm`` are never touched, and
+    nothing is done where ``/proc`` is absent.
+    """
+    try:
+        with open("/proc/self/maps") as lines:
+            paths = {
+                line.split(None, 5)[5].rstrip("\n")
+                for line in lines
+                if _MPICH_SEGMENT_PREFIX in line and not line.rstrip().endswith("(deleted)")
+            }
+    except OSError:
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # another rank of the node removed it first
+
+
 def abort_comm(comm, errorcode: int) -> None:
     """Flush this process's output, give the launcher time to forward it, ``comm.Abort``.
 
-    Never returns (``os._exit`` if a non-conforming MPI comes back).
+    The names of MPICH's shared-memory segments on this node are removed
+    first (:func:`_unlink_mpich_segments`). Never returns (``os._exit`` if a
+    non-conforming MPI comes back).
     """
     sys.stdout.flush()
     sys.stderr.flush()
+    _unlink_mpich_segments()
     time.sleep(OUTPUT_DRAIN_SECONDS)
     comm.Abort(errorcode)
     os._exit(errorcode)

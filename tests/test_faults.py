@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+from mpi4py import MPI
 
 BIN = pathlib.Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
@@ -175,6 +176,37 @@ def test_an_exception_on_one_rank_ends_the_whole_job_within_10_s(tmp_path, in_th
     assert "MPI_Abort(COMM_WORLD, 1)" in err
     record = json.loads((tmp_path / "flight" / "ferrompi-flight-2.json").read_text())
     assert [e["seq"] for e in record["entries"]] == list(range(1, 8))
+
+
+ABORTING_RANK = """
+    import json, os, numpy as np, ferrompi as fm
+    from mpi4py import MPI
+    w = fm.init()
+    fm.allreduce(np.ones(1 << 20), w)  # the node engine's window too
+    with open("/proc/self/maps") as f:
+        mapped = sorted({{l.split(None, 5)[5].strip() for l in f if "/dev/shm/" in l}})
+    print(json.dumps({{"rank": w.rank, "mapped": mapped}}), flush=True)
+    fm.barrier(w)
+    if w.rank == 1:
+        {fail}
+    fm.barrier(w, timeout=60)
+"""
+
+
+@pytest.mark.parametrize(
+    "fail", ["fm.abort(3)", "raise RuntimeError('bad batch')"], ids=["fm.abort", "exception"]
+)
+def test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm(tmp_path, fail):
+    # MPICH removes its node segments in MPI_Finalize only; the abort path does it
+    proc, seconds = launch(tmp_path, ABORTING_RANK.format(fail=fail), 3, launcher=True)
+    assert proc.returncode != 0 and seconds < 30, (proc.returncode, seconds, proc.stderr)
+    reports = json_lines(proc.stdout)
+    assert sorted(reports) == [0, 1, 2], proc.stdout
+    mapped = {path for r in reports.values() for path in r["mapped"]}
+    if "MPICH" in MPI.Get_library_version():
+        assert any(p.startswith("/dev/shm/mpich_shm_") for p in mapped), mapped
+    left = [path for path in mapped if os.path.exists(path)]
+    assert left == [], left
 
 
 def test_a_nonzero_sys_exit_on_one_rank_ends_the_job(tmp_path):
