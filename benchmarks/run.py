@@ -40,6 +40,15 @@ directly (``cupy CUDA-aware``, and raw ``mpi4py cupy``), beside the numpy
 ``ferrompi`` and ``mpi4py`` calls. Rank ``r`` uses GPU ``r % device count``.
 Without cupy or a GPU it says why and measures nothing.
 
+``--rewrite-inputs`` writes fresh values into every input buffer before
+every call, as a training step writes its gradients before reducing them,
+and times that rewrite alone as one more implementation (``input rewrite``):
+the other columns then include it. By default the inputs are written once,
+as in the OSU and nccl-tests benchmarks; then MPICH's single-copy transfers
+(``process_vm_readv``) read buffers that no core ever writes again, which
+flatters them against any shared-memory algorithm when the two ranks' cores
+do not share a cache (docs/performance.md, "Busy periods").
+
 ``--memory`` measures the peak resident memory each rank adds during a
 64 MiB allreduce (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``), for ferrompi with ``out=``, ferrompi returning a
@@ -115,11 +124,13 @@ class Calls:
         self.rank = world.rank
         self.dist = dist  # torch.distributed, or None
         self.gpu_direct = False  # whether MPI takes device pointers (the GPU row)
+        self.inputs: list[np.ndarray] = []  # the host inputs of the calls being built
 
     def _arrays(self, elements: int, out_elements: int | None = None):
         rng = np.random.default_rng(self.rank)
         x = rng.standard_normal(elements).astype(np.float32)
         out = np.zeros(elements if out_elements is None else out_elements, np.float32)
+        self.inputs.append(x)
         return x, out
 
     def _tensor(self, a: np.ndarray):
@@ -127,8 +138,10 @@ class Calls:
 
         return torch.from_numpy(a)
 
-    def build(self, op: str, nbytes: int) -> dict:
-        return getattr(self, "_" + op)(nbytes)
+    def build(self, op: str, nbytes: int, rewrite_inputs: bool = False) -> dict:
+        self.inputs = []
+        calls = getattr(self, "_" + op)(nbytes)
+        return rewriting(calls, self.inputs) if rewrite_inputs else calls
 
     def _split_elements(self, nbytes: int) -> int:
         n = max(1, nbytes // 4)
@@ -344,6 +357,7 @@ class Calls:
         del nbytes
         rng = np.random.default_rng(self.rank)
         xs = [rng.standard_normal(1024).astype(np.float32) for _ in range(100)]
+        self.inputs.extend(xs)
         outs = [np.zeros_like(a) for a in xs]
         w, c = self.world, self.comm
         pairs = list(zip(xs, outs, strict=True))
@@ -365,6 +379,29 @@ class Calls:
             ts = [self._tensor(o) for o in outs]
             calls["gloo"] = lambda: self.dist.all_reduce_coalesced(ts)
         return calls
+
+
+def rewriting(calls: dict, inputs: list[np.ndarray]) -> dict:
+    """``calls``, each preceded by a rewrite of ``inputs``; plus the rewrite alone.
+
+    A training step writes new gradients into its buffers before reducing
+    them; rewriting the inputs before every call makes the caches hold what
+    they hold then (section "Busy periods" of docs/performance.md).
+    """
+    pairs = [(a, a.copy()) for a in inputs]
+
+    def rewrite():
+        for a, fresh in pairs:
+            np.copyto(a, fresh)
+
+    def after_rewrite(call):
+        def run():
+            rewrite()
+            call()
+
+        return run
+
+    return {**{name: after_rewrite(call) for name, call in calls.items()}, "input rewrite": rewrite}
 
 
 # ---------------------------------------------------------------------------
@@ -554,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
         help="exit 1 if ferrompi/mpi4py exceeds this ratio (default 1.5) for allreduce at 1 MiB",
     )
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed out")
+    parser.add_argument(
+        "--rewrite-inputs",
+        action="store_true",
+        help="write the inputs before every call (as a training step does), and time that alone",
+    )
     parser.add_argument("--memory", action="store_true", help="peak memory of a 64 MiB allreduce")
     parser.add_argument("--json", default=None, help="write every sample to this file")
     parser.add_argument("--plot", default=None, help="write PNG plots into this folder")
@@ -603,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.node()}, {world.world_size} ranks, {os.cpu_count()} cores, "
         f"{MPI.Get_library_version().splitlines()[0].strip()}, "
         f"torch {torch_version}"
+        + (", inputs rewritten before every call" if args.rewrite_inputs else "")
     )
     if world.rank == 0:
         print(header, flush=True)
@@ -610,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     for op in ops:
         op_sizes = [4 * KiB] if op == "allreduce_coalesced" else sizes
         for nbytes in op_sizes:
-            samples = measure(comm, calls.build(op, nbytes), reps, block_s)
+            built = calls.build(op, nbytes, args.rewrite_inputs)
+            samples = measure(comm, built, reps, block_s)
             row = {
                 "op": op,
                 "bytes": nbytes,
