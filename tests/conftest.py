@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import sys
 import tempfile
@@ -82,3 +84,38 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _mapped_by_a_live_process(path: str) -> bool:
+    """Whether a process maps ``path``.
+
+    MPICH creates its segments readable by their owner only, so a process
+    whose maps this user cannot read cannot map them either.
+    """
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                if path in maps.read():
+                    return True
+        except (FileNotFoundError, PermissionError):
+            continue  # the process has ended, or is another user's
+    return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_mpich_segments():
+    """Remove the MPICH segments of the jobs this session killed on purpose.
+
+    A test whose job loses a rank (``os._exit``, a launcher timeout) leaves
+    MPICH's node segment in ``/dev/shm``: MPICH removes it in
+    ``MPI_Finalize``, and ferrompi before ``MPI_Abort``, but nobody when a
+    process just dies. Without this, each run of the suite would leave about
+    30 of them (75 MB of memory) until the next reboot. Segments that a live
+    process still maps (another job, this rank's own) are kept.
+    """
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    yield
+    for path in sorted(set(glob.glob("/dev/shm/mpich_shm_*")) - before):
+        if not _mapped_by_a_live_process(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
