@@ -31,6 +31,7 @@ ranks do not spin.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import os
 import time
@@ -253,7 +254,14 @@ PROBE_INTERVAL = _status.PROBE_INTERVAL
 
 
 class PeerRejected(Exception):
-    """Raised by a wait's probe: a peer rejected this collective locally."""
+    """Raised by a wait's probe: this collective cannot complete because of a peer.
+
+    ``error`` is the class of the error the caller raises in the end.
+    """
+
+    def __init__(self, message: str, error: type[DistributedError] = DistributedError) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 def _quick_test(test, status) -> bool:
@@ -301,8 +309,14 @@ def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
     return True
 
 
-def check_peers(state, seq: int, op_name: str) -> None:
-    """Raise :class:`PeerRejected` if a peer rejected collective ``seq`` locally."""
+def check_peers(state, seq: int, op_name: str, on_engine: bool = False) -> None:
+    """Raise :class:`PeerRejected` if collective ``seq`` cannot complete because of a peer.
+
+    Either a peer rejected it locally, or (on a backend with a node engine) a
+    peer on this node runs it through the other path, engine or MPI
+    (``on_engine`` says which this rank takes): the ranks passed different
+    sizes, on both sides of an engine threshold.
+    """
     ranks = _status.rejected_by(state.participant, state.world_ranks, state.key, seq)
     if ranks:
         who = ", ".join(f"rank {r}" for r in ranks)
@@ -311,6 +325,23 @@ def check_peers(state, seq: int, op_name: str) -> None:
             f"{who} rejected its call #{seq} before communicating (the error is raised "
             "there); MPI cannot cancel this rank's operation, so this backend is unusable. "
             "End the job with fm.abort()"
+        )
+    engine = state.shm
+    if not engine:
+        return
+    _, _, _, _, shape, dtype, *_ = state.last
+    nbytes = math.prod(shape) * dtype.itemsize if shape is not None and dtype is not None else -1
+    others = engine.other_path(seq, on_engine, nbytes)
+    if others:
+        paths = ("on the shared-memory engine", "through MPI")
+        mine, theirs = paths if on_engine else paths[::-1]
+        who = ", ".join(f"node rank {j} ({n} bytes)" for j, n in others)
+        raise PeerRejected(
+            f"{op_name} (collective #{seq} of a group of {state.size}): the ranks passed "
+            f"arrays of different sizes: this rank has {nbytes} bytes and runs it {mine}, "
+            f"{who} {theirs}; neither side can complete, and MPI cannot cancel its side, "
+            "so this backend is unusable. End the job with fm.abort()",
+            InvalidArgument,
         )
 
 
@@ -552,7 +583,7 @@ def rejection_error(
     """The error of a collective whose peer rejected it locally; marks the backend broken."""
     state.broken = f"this backend is unusable: {exc}"
     state.end(_status.FAILED, entry)
-    return DistributedError(str(exc))
+    return exc.error(str(exc))
 
 
 def wait_step(state: CommState, opcode: int, seq: int, req, timeout: float | None) -> None:

@@ -93,7 +93,10 @@ CEILINGS = {"all_gather": 1 << 20}
 SLOT_BYTES = 2 << 20
 
 _READY, _REDUCED, _CONSUMED = 0, 8, 16  # counter words, one cache line apart
-_FLAG_WORDS = 24
+_CALL = 24  # two words, by round parity: the call (:func:`_signature`) starting there
+_PATH = 32  # collective number, path (1: engine, 2: MPI) and bytes of a long wait
+_FLAG_WORDS = 40
+_ENGINE_PATH, _MPI_PATH = 1, 2
 
 # numpy ufunc of each MPI reduction the engine performs, by the op's handle
 _UFUNCS = {}
@@ -113,6 +116,31 @@ if MPI is not None:
             (MPI.LXOR, np.logical_xor),
         )
     }
+
+
+_OP_INDEX = {handle: i for i, handle in enumerate(_UFUNCS)}
+_KINDS = ("allreduce", "reduce_scatter", "all_gather")
+
+
+def _signature(kind: int, x: np.ndarray, mpi_op=None) -> int:
+    """One int64 naming a call: its kind, bytes per rank, dtype and reduction."""
+    op = 255 if mpi_op is None else _OP_INDEX[mpi_op.handle]
+    return x.nbytes << 24 | kind << 16 | ord(x.dtype.char) << 8 | op
+
+
+def _describe_call(signature: int) -> str:
+    nbytes, kind = signature >> 24, (signature >> 16) & 0xFF
+    dtype, op = np.dtype(chr((signature >> 8) & 0xFF)), signature & 0xFF
+    ufunc = "" if op == 255 else f" ({list(_UFUNCS.values())[op].__name__})"
+    return f"{_KINDS[kind]}{ufunc} of {nbytes} bytes of {dtype}"
+
+
+class CallMismatch(Exception):
+    """The node ranks entered the engine with different calls (sizes, dtypes, operations).
+
+    Every rank raises it at the same point, leaving the engine's counters
+    consistent: the engine stays usable.
+    """
 
 
 def enabled() -> bool:
@@ -267,6 +295,33 @@ class NodeEngine:
             self._wait(_CONSUMED, t - 1, deadline, probe)
         return t, (t % 2) * self.slot
 
+    def _agree(self, signature: int, t: int) -> None:
+        """After the first round ``t`` of a call is published: every rank makes the same call.
+
+        The signature is published by round parity (at the call's first :meth:`_claim`): a
+        rank ahead by one round has started its next call without
+        overwriting it.
+
+        Ranks that disagree (different sizes, dtypes or operations: an
+        erroneous program) would otherwise pair rounds of different calls and
+        return wrong results without an error. Every rank sees the same
+        signatures, so all of them end round ``t`` here and raise
+        :class:`CallMismatch`.
+        """
+        word = _CALL + t % 2
+        for f in self.flags:
+            if f[word] != signature:
+                break
+        else:
+            return
+        calls = "; ".join(
+            f"node rank {j}: {_describe_call(int(f[word]))}" for j, f in enumerate(self.flags)
+        )
+        self._post(_REDUCED, t + 1)
+        self._post(_CONSUMED, t + 1)
+        self.round = t + 1
+        raise CallMismatch(f"the ranks' calls do not match ({calls})")
+
     def allreduce(self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe) -> None:
         """``out`` = reduction of every rank's ``x`` (same shape, C-contiguous)."""
         ufunc = _UFUNCS[mpi_op.handle]
@@ -277,9 +332,12 @@ class NodeEngine:
         step = max(item, self.slot // item * item)
         n = xb.size
         me, windows = self.rank, self.windows
+        signature = _signature(0, x, mpi_op)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             t, base = self._claim(deadline, probe)
+            if lo == 0:
+                self.mine[_CALL + t % 2] = signature
             parts = self._parts(lo, hi, item)
             mywin = windows[me]
             for j in range(self.size):
@@ -288,6 +346,8 @@ class NodeEngine:
                     mywin[base + a - lo : base + b - lo] = xb[a:b]
             self._post(_READY, t + 1)
             self._wait(_READY, t + 1, deadline, probe)
+            if lo == 0:
+                self._agree(signature, t)
             a, b = parts[me], parts[me + 1]
             if b > a:
                 dst = mywin[base + a - lo : base + b - lo].view(dtype)
@@ -325,16 +385,21 @@ class NodeEngine:
         block = ob.size
         item = dtype.itemsize
         step = max(item, self.slot // p // item * item)  # bytes of each block per round
+        signature = _signature(1, x, mpi_op)
         for lo in range(0, block, step):
             hi = min(block, lo + step)
             m = hi - lo
             t, base = self._claim(deadline, probe)
+            if lo == 0:
+                self.mine[_CALL + t % 2] = signature
             mywin = windows[me]
             for j in range(p):
                 if j != me:
                     mywin[base + j * m : base + (j + 1) * m] = blocks[j, lo:hi]
             self._post(_READY, t + 1)
             self._wait(_READY, t + 1, deadline, probe)
+            if lo == 0:
+                self._agree(signature, t)
             own = blocks[me, lo:hi].view(dtype)
             _reduce_into(
                 ufunc,
@@ -353,18 +418,43 @@ class NodeEngine:
         xb = x.reshape(-1).view(np.uint8)
         ob = out.reshape(p, -1).view(np.uint8)
         n = xb.size
+        signature = _signature(2, x)
         for lo in range(0, n, self.slot):
             hi = min(n, lo + self.slot)
             t, base = self._claim(deadline, probe)
+            if lo == 0:
+                self.mine[_CALL + t % 2] = signature
             windows[me][base : base + hi - lo] = xb[lo:hi]
             self._post(_READY, t + 1)
             ob[me, lo:hi] = xb[lo:hi]
             self._wait(_READY, t + 1, deadline, probe)
+            if lo == 0:
+                self._agree(signature, t)
             for j in range(p):
                 if j != me:
                     ob[j, lo:hi] = windows[j][base : base + hi - lo]
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
+
+    def other_path(self, seq: int, on_engine: bool, nbytes: int) -> list[tuple[int, int]]:
+        """Node ranks waiting in collective ``seq`` on the other path, with their bytes.
+
+        Called by long waits only (a wait's probe): publishes that this rank
+        waits in ``seq``, on the engine or in MPI, for ``nbytes``, and reads
+        what the other ranks published. A rank on each path means that the
+        ranks passed sizes on both sides of an engine threshold: neither side
+        could ever complete.
+        """
+        mine = self.mine
+        path = _ENGINE_PATH if on_engine else _MPI_PATH
+        mine[_PATH + 1] = path
+        mine[_PATH + 2] = nbytes
+        mine[_PATH] = seq  # last: a reader that sees seq sees the rest
+        return [
+            (j, int(f[_PATH + 2]))
+            for j, f in enumerate(self.flags)
+            if int(f[_PATH]) == seq and int(f[_PATH + 1]) not in (0, path)
+        ]
 
     def free(self) -> None:
         """Release the windows and communicators (collective over the node)."""

@@ -318,6 +318,30 @@ def rejected_by(
     return found
 
 
+def arrivals(
+    participant: Participant, world_ranks: Sequence[int], key: int, seq: int, opcode: int
+) -> tuple[bool, list[tuple[int, int]]]:
+    """Whether every group rank has entered collective ``seq`` as ``opcode``, per the board.
+
+    Returns ``(all arrived, [(group rank, opcode) of each rank that entered
+    collective seq as another operation]``. Every group rank must be on this
+    node's board.
+    """
+    rows = participant.board.rows
+    everyone, elsewhere = True, []
+    for local, global_rank in enumerate(world_ranks):
+        if global_rank == participant.world_rank:
+            continue
+        row = rows[global_rank]
+        slot = _slot_of(row, key)
+        entered = 0 if slot is None else int(row[slot + 1])
+        if entered < seq:
+            everyone = False
+        elif entered == seq and int(row[slot + 2]) != opcode:
+            elsewhere.append((local, int(row[slot + 2])))
+    return everyone, elsewhere
+
+
 def describe_peers(
     participant: Participant,
     world_ranks: Sequence[int],

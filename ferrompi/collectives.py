@@ -134,11 +134,15 @@ def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np
     return x.copy() if overlaps(x, buf) else x
 
 
-def _node_engine(backend: Backend, timeout: float) -> _shm.NodeEngine | None:
+def _node_engine(
+    backend: Backend, timeout: float, opcode: int, nbytes: int
+) -> _shm.NodeEngine | None:
     """The backend's shared-memory engine, built at first use (collective), or None.
 
     Every rank takes the same decision: the same message size against the
     same thresholds (``FERROMPI_SHM*`` must be set alike on every rank).
+    ``opcode`` and ``nbytes`` are the call's, for the error raised when the
+    ranks passed different sizes.
     """
     state = backend._state
     engine = state.shm
@@ -148,10 +152,55 @@ def _node_engine(backend: Backend, timeout: float) -> _shm.NodeEngine | None:
         if type(state.comm) is SimComm or state.size == 1 or not _shm.enabled():
             engine = False
         else:
-            backend.gather_arrival("shm_setup", timeout)
+            _arrive_for_setup(backend, timeout, opcode, nbytes)
             engine = _shm.NodeEngine.create(state.comm) or False
         state.shm = engine
     return engine or None
+
+
+def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int) -> None:
+    """Wait, under the timeout, until every rank is about to build the node engine.
+
+    The engine's construction is blocking MPI (communicator split, window
+    allocation). On one node, arrival is read on the status board rather
+    than exchanged through MPI: a rank that passed a smaller array and
+    entered the same collective through MPI would otherwise be matched with
+    this rank's arrival message by MPI, and both would hang. It is detected
+    instead, and raises :class:`InvalidArgument` here and a
+    :class:`DistributedError` there.
+    """
+    state = backend._state
+    rows = state.participant.board.rows
+    if not all(r in rows for r in state.world_ranks):  # several nodes
+        backend.gather_arrival("shm_setup", timeout)
+        return
+    setup = _OP["shm_setup"]
+    seq = state.begin(setup, timeout=timeout)
+    mismatched: list[tuple[int, int]] = []
+
+    def done() -> bool:
+        everyone, elsewhere = _status.arrivals(
+            state.participant, state.world_ranks, state.key, seq, setup
+        )
+        mismatched.extend(elsewhere)
+        return everyone or bool(elsewhere)
+
+    if not _status.spin_until(done, time.monotonic() + timeout):
+        raise timeout_error(state, setup, seq, timeout)
+    if mismatched:
+        name = _status.OPS[opcode]
+        who = ", ".join(f"rank {r} entered {_status.OPS[op]}" for r, op in mismatched)
+        message = (
+            f"{name} (collective #{seq} of a group of {state.size}): the ranks passed arrays "
+            f"of different sizes: this rank has {nbytes} bytes, enough for the shared-memory "
+            f"engine, and sets it up, while {who} through MPI; MPI cannot cancel their "
+            "side, so this backend is unusable. End the job with fm.abort()"
+        )
+        state.rec[state.slot + _status.REJECTED] = seq  # the peers' waits raise
+        state.broken = f"this backend is unusable: {message}"
+        state.end(_status.FAILED)
+        raise InvalidArgument(message)
+    state.end(_status.DONE)
 
 
 def _on_host(x, buf) -> bool:
@@ -169,10 +218,13 @@ def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
     op_name = _status.OPS[opcode]
 
     def probe():
-        check_peers(state, seq, op_name)
+        check_peers(state, seq, op_name, on_engine=True)
 
     try:
         run(time.monotonic() + timeout, probe)
+    except _shm.CallMismatch as exc:
+        state.end(_status.FAILED)
+        raise InvalidArgument(f"{op_name} (collective #{seq}): {exc}") from None
     except _shm.PeerWait:
         extra = f"; shared-memory rounds: {_shm.describe_round(state.shm)}"
         raise timeout_error(state, opcode, seq, timeout, extra=extra) from None
@@ -220,7 +272,7 @@ def _allreduce(
     n = x.size
     divisor = state.size if mean else 0
     if blocking and x.nbytes >= _shm.LIMITS["allreduce"] and _on_host(x, buf):
-        engine = _node_engine(backend, timeout)
+        engine = _node_engine(backend, timeout, opcode, x.nbytes)
         if engine is not None and (
             engine.rail is None or x.nbytes >= _shm.LIMITS["allreduce_hierarchical"]
         ):
@@ -561,7 +613,7 @@ def _all_gather(
         and _shm.LIMITS["all_gather"] <= x.nbytes <= _shm.UPPER_LIMITS["all_gather"]
         and _on_host(x, buf)
     ):
-        engine = _node_engine(backend, timeout)
+        engine = _node_engine(backend, timeout, opcode, x.nbytes)
         if engine is not None and engine.rail is None:
             seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
             _on_node(state, opcode, seq, lambda d, p: engine.all_gather(x, buf, d, p), timeout)
@@ -650,7 +702,7 @@ def _reduce_scatter(
     count = buf.size
     divisor = state.size if mean else 0
     if blocking and x.nbytes >= _shm.LIMITS["reduce_scatter"] and _on_host(x, buf):
-        engine = _node_engine(backend, timeout)
+        engine = _node_engine(backend, timeout, opcode, x.nbytes)
         if engine is not None and engine.rail is None:
             seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
             _on_node(

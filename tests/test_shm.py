@@ -212,6 +212,62 @@ def test_a_rank_that_rejects_its_call_stops_the_engine_at_once(engine_everywhere
     assert "rank 0 rejected its call" in str(info.value)
 
 
+MISMATCHED_CALLS = {
+    # operation -> (rank 0's input, the other ranks' input); run on the engine
+    "allreduce rows": (np.ones(600), np.ones(300)),
+    "allreduce dtype": (np.ones(300), np.ones(300, np.int64)),
+    "reduce_scatter": (np.ones((12, 50)), np.ones((12, 25))),
+    "all_gather": (np.ones(100), np.ones(60)),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHED_CALLS))
+def test_ranks_that_pass_different_arrays_to_the_engine_raise_at_once(engine_everywhere, case):
+    # without the check, rounds of different calls pair up: wrong results, or a wait
+    b = fresh_world()
+    mine, others = MISMATCHED_CALLS[case]
+    x = mine if b.rank == 0 else others
+    call = {"reduce_scatter": fm.reduce_scatter, "all_gather": fm.all_gather}.get(
+        case, fm.allreduce
+    )
+    start = time.monotonic()
+    with pytest.raises(fm.InvalidArgument) as info:
+        call(x, b, timeout=20)
+    assert time.monotonic() - start < 5
+    text = str(info.value)
+    assert "the ranks' calls do not match" in text
+    kind = case.split()[0]
+    for rank, array in ((0, mine), (b.world_size - 1, others)):
+        assert f"node rank {rank}: {kind}" in text and f"of {array.nbytes} bytes of" in text
+    # every rank stopped at the same round: the engine goes on working
+    expected = np.full(300, float(b.world_size))
+    np.testing.assert_array_equal(fm.allreduce(np.ones(300), b), expected)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["engine built", "first use"])
+def test_sizes_on_both_sides_of_the_engine_threshold_raise_at_once(warm):
+    # the defaults: rank 0's 80 000 bytes take the engine, the others' 40 000 MPI;
+    # before the check, both sides waited for their timeout, or (first use) hung
+    b = fresh_world()
+    if warm:
+        fm.allreduce(np.ones(1 << 14), b)  # 128 KiB: builds the engine
+    n = 10_000 if b.rank == 0 else 5_000
+    assert _shm.LIMITS["allreduce"] <= 8 * 10_000 and 8 * 5_000 < _shm.LIMITS["allreduce"]
+    start = time.monotonic()
+    with pytest.raises(fm.DistributedError) as info:
+        fm.allreduce(np.ones(n), b, timeout=20)
+    assert time.monotonic() - start < 5
+    text = str(info.value)
+    if b.rank == 0 or warm:
+        assert isinstance(info.value, fm.InvalidArgument)
+        assert "the ranks passed arrays of different sizes" in text
+        assert f"this rank has {8 * n} bytes" in text
+    else:  # its peer raised the precise error while setting the engine up
+        assert "rank 0 rejected its call" in text
+    with pytest.raises(fm.DistributedError, match="unusable"):
+        fm.allreduce(np.ones(3), b)
+
+
 def test_allreduce_coalesced_fuses_by_dtype(engine_everywhere):
     b = fresh_world()
     p, r = b.world_size, b.rank
