@@ -309,13 +309,13 @@ def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
     return True
 
 
-def check_peers(state, seq: int, op_name: str, on_engine: bool = False) -> None:
+def check_peers(state, seq: int, op_name: str) -> None:
     """Raise :class:`PeerRejected` if collective ``seq`` cannot complete because of a peer.
 
-    Either a peer rejected it locally, or (on a backend with a node engine) a
-    peer on this node runs it through the other path, engine or MPI
-    (``on_engine`` says which this rank takes): the ranks passed different
-    sizes, on both sides of an engine threshold.
+    Either a peer rejected it locally, or a peer on this node waits in it
+    with an array of another size (operations whose sizes must agree): the
+    ranks passed different sizes, which MPI would never complete (or, on
+    both sides of a node-engine threshold, neither path could).
     """
     ranks = _status.rejected_by(state.participant, state.world_ranks, state.key, seq)
     if ranks:
@@ -326,23 +326,30 @@ def check_peers(state, seq: int, op_name: str, on_engine: bool = False) -> None:
             "there); MPI cannot cancel this rank's operation, so this backend is unusable. "
             "End the job with fm.abort()"
         )
-    engine = state.shm
-    if not engine:
-        return
-    _, _, _, _, shape, dtype, *_ = state.last
-    nbytes = math.prod(shape) * dtype.itemsize if shape is not None and dtype is not None else -1
-    others = engine.other_path(seq, on_engine, nbytes)
+    entry = state.last
+    if entry[0] != seq or entry[1] not in _SAME_SIZE or entry[4] is None:
+        return  # an earlier asynchronous operation, or sizes that may differ
+    nbytes = math.prod(entry[4]) * entry[5].itemsize
+    others = _status.sizes_apart(
+        state.participant, state.world_ranks, state.key, state.slot, seq, nbytes
+    )
     if others:
-        paths = ("on the shared-memory engine", "through MPI")
-        mine, theirs = paths if on_engine else paths[::-1]
-        who = ", ".join(f"node rank {j} ({n} bytes)" for j, n in others)
+        who = ", ".join(f"rank {r} has {n}" for r, n in others)
         raise PeerRejected(
             f"{op_name} (collective #{seq} of a group of {state.size}): the ranks passed "
-            f"arrays of different sizes: this rank has {nbytes} bytes and runs it {mine}, "
-            f"{who} {theirs}; neither side can complete, and MPI cannot cancel its side, "
-            "so this backend is unusable. End the job with fm.abort()",
+            f"arrays of different sizes: this rank has {nbytes} bytes, {who}; the "
+            "collective can never complete, and MPI cannot cancel it, so this backend is "
+            "unusable. End the job with fm.abort()",
             InvalidArgument,
         )
+
+
+#: Collectives whose arrays have the same size on every rank.
+_SAME_SIZE = frozenset(
+    _status.OPCODE[prefix + name]
+    for name in ("allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+    for prefix in ("", "async_")
+)
 
 
 def mpi_error(op: str, exc: Exception, expected: int | None = None) -> DistributedError:

@@ -94,9 +94,7 @@ SLOT_BYTES = 2 << 20
 
 _READY, _REDUCED, _CONSUMED = 0, 8, 16  # counter words, one cache line apart
 _CALL = 24  # two words, by round parity: the call (:func:`_signature`) starting there
-_PATH = 32  # collective number, path (1: engine, 2: MPI) and bytes of a long wait
-_FLAG_WORDS = 40
-_ENGINE_PATH, _MPI_PATH = 1, 2
+_FLAG_WORDS = 32
 
 # numpy ufunc of each MPI reduction the engine performs, by the op's handle
 _UFUNCS = {}
@@ -435,26 +433,6 @@ class NodeEngine:
                     ob[j, lo:hi] = windows[j][base : base + hi - lo]
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
-
-    def other_path(self, seq: int, on_engine: bool, nbytes: int) -> list[tuple[int, int]]:
-        """Node ranks waiting in collective ``seq`` on the other path, with their bytes.
-
-        Called by long waits only (a wait's probe): publishes that this rank
-        waits in ``seq``, on the engine or in MPI, for ``nbytes``, and reads
-        what the other ranks published. A rank on each path means that the
-        ranks passed sizes on both sides of an engine threshold: neither side
-        could ever complete.
-        """
-        mine = self.mine
-        path = _ENGINE_PATH if on_engine else _MPI_PATH
-        mine[_PATH + 1] = path
-        mine[_PATH + 2] = nbytes
-        mine[_PATH] = seq  # last: a reader that sees seq sees the rest
-        return [
-            (j, int(f[_PATH + 2]))
-            for j, f in enumerate(self.flags)
-            if int(f[_PATH]) == seq and int(f[_PATH + 1]) not in (0, path)
-        ]
 
     def free(self) -> None:
         """Release the windows and communicators (collective over the node)."""

@@ -66,10 +66,12 @@ OPCODE = {name: code for code, name in enumerate(OPS)}
 PID, STATE, OP, KEY, SEQ, T_START, T_END, PEER = range(8)
 SLOT0 = 8
 NSLOTS = 32
-# Per communicator: key, collectives entered, opcode of the last one, and the
-# number of the last collective this rank rejected locally (0: none).
-SLOT_WORDS = 4
+# Per communicator: key, collectives entered, opcode of the last one, the
+# number of the last collective this rank rejected locally (0: none), and the
+# bytes and number of the collective it has been waiting in for a while.
+SLOT_WORDS = 6
 REJECTED = 3
+WAIT_BYTES, WAIT_SEQ = 4, 5
 REC_WORDS = SLOT0 + NSLOTS * SLOT_WORDS
 
 # States.
@@ -149,6 +151,8 @@ class Participant:
         rec[slot + 1] = 0
         rec[slot + 2] = 0
         rec[slot + REJECTED] = 0
+        rec[slot + WAIT_BYTES] = 0
+        rec[slot + WAIT_SEQ] = 0
         return key, slot
 
 
@@ -315,6 +319,33 @@ def rejected_by(
         slot = _slot_of(row, key)
         if slot is not None and int(row[slot + REJECTED]) == seq:
             found.append(local)
+    return found
+
+
+def sizes_apart(
+    participant: Participant, world_ranks: Sequence[int], key: int, slot: int, seq: int, nbytes: int
+) -> list[tuple[int, int]]:
+    """Publish that this rank waits in collective ``seq`` with ``nbytes``; the peers that differ.
+
+    Returns ``(group rank, bytes)`` of every rank of this node that waits
+    in the same collective with another size. Called by long waits only.
+    """
+    rec = participant.row
+    rec[slot + WAIT_BYTES] = nbytes
+    rec[slot + WAIT_SEQ] = seq  # last: a reader that sees seq sees the bytes
+    rows = participant.board.rows
+    found = []
+    for local, global_rank in enumerate(world_ranks):
+        row = rows.get(global_rank)
+        if row is None or global_rank == participant.world_rank:
+            continue
+        other = _slot_of(row, key)
+        if (
+            other is not None
+            and int(row[other + WAIT_SEQ]) == seq
+            and int(row[other + WAIT_BYTES]) != nbytes
+        ):
+            found.append((local, int(row[other + WAIT_BYTES])))
     return found
 
 

@@ -218,7 +218,7 @@ def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
     op_name = _status.OPS[opcode]
 
     def probe():
-        check_peers(state, seq, op_name, on_engine=True)
+        check_peers(state, seq, op_name)
 
     try:
         run(time.monotonic() + timeout, probe)
