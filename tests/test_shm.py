@@ -212,6 +212,22 @@ def test_a_rank_that_rejects_its_call_stops_the_engine_at_once(engine_everywhere
     assert "rank 0 rejected its call" in str(info.value)
 
 
+def test_a_rank_that_never_arrives_times_out_while_the_engine_is_set_up():
+    # the first large call meets on the status board before building the engine
+    b = fresh_world()
+    if b.rank == 0:
+        time.sleep(2.5)  # never calls; outlives the peers' timeout
+        return
+    start = time.monotonic()
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        fm.allreduce(np.ones(1 << 14), b, timeout=1.0)
+    assert 1.0 <= time.monotonic() - start < 5
+    assert info.value.missing == (0,)
+    assert "shm_setup (collective #1 of a group of" in str(info.value)
+    with pytest.raises(fm.DistributedError, match="unusable"):
+        fm.allreduce(np.ones(3), b)
+
+
 MISMATCHED_CALLS = {
     # operation -> (rank 0's input, the other ranks' input); run on the engine
     "allreduce rows": (np.ones(600), np.ones(300)),
