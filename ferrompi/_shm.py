@@ -296,9 +296,9 @@ class NodeEngine:
     def _agree(self, signature: int, t: int) -> None:
         """After the first round ``t`` of a call is published: every rank makes the same call.
 
-        The signature is published by round parity (at the call's first :meth:`_claim`): a
-        rank ahead by one round has started its next call without
-        overwriting it.
+        Each call publishes its signature after its first :meth:`_claim`,
+        in the word of that round's parity: a rank one round ahead has
+        started its next call without overwriting it.
 
         Ranks that disagree (different sizes, dtypes or operations: an
         erroneous program) would otherwise pair rounds of different calls and

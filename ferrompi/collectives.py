@@ -163,9 +163,9 @@ def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int
 
     The engine's construction is blocking MPI (communicator split, window
     allocation). On one node, arrival is read on the status board rather
-    than exchanged through MPI: a rank that passed a smaller array and
-    entered the same collective through MPI would otherwise be matched with
-    this rank's arrival message by MPI, and both would hang. It is detected
+    than exchanged through MPI: a rank that passed an array of another size
+    and entered the same collective through MPI would otherwise be matched
+    with this rank's arrival message by MPI, and both would hang. It is detected
     instead, and raises :class:`InvalidArgument` here and a
     :class:`DistributedError` there.
     """
@@ -192,8 +192,8 @@ def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int
         who = ", ".join(f"rank {r} entered {_status.OPS[op]}" for r, op in mismatched)
         message = (
             f"{name} (collective #{seq} of a group of {state.size}): the ranks passed arrays "
-            f"of different sizes: this rank has {nbytes} bytes, enough for the shared-memory "
-            f"engine, and sets it up, while {who} through MPI; MPI cannot cancel their "
+            f"of different sizes: this rank has {nbytes} bytes, in the shared-memory engine's "
+            f"range, and sets it up, while {who} through MPI; MPI cannot cancel their "
             "side, so this backend is unusable. End the job with fm.abort()"
         )
         state.rec[state.slot + _status.REJECTED] = seq  # the peers' waits raise
