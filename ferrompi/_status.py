@@ -170,11 +170,12 @@ _PROCESS: Participant | None = None
 yield_after = 16
 
 #: After :data:`yield_after` tests, a wait yields at one test in this many:
-#: every test (1) when the node runs more ranks than cores, else one in 64.
-#: A large message moves only while MPI's progress engine is called: yielding
-#: at every test made the 64 MiB uneven all-to-all 10-20 % slower than raw MPI
-#: with 2 ranks on 2 cores, one test in 64 made it 5-10 % faster
-#: (docs/timeouts.md). A power of two.
+#: every test (1) when the node runs more ranks than cores, else one in 1024.
+#: A large message moves only while MPI's progress engine is called, and a
+#: ``sched_yield`` costs 0.7 us here: yielding at every test made the 64 MiB
+#: uneven all-to-all 10-20 % slower than raw MPI with 2 ranks on 2 cores, one
+#: test in 64 5-10 % faster, and one in 1024 made the node engine's 1-4 MiB
+#: calls another 5-9 % faster than one in 64 (docs/timeouts.md). A power of two.
 yield_every = 1
 
 #: The tests a wait makes in a bare loop before its deadline-checking loop
@@ -225,7 +226,7 @@ def _yield_policy(node_ranks: int) -> tuple[int, int]:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return (16, 1) if node_ranks > cores else (512, 64)
+    return (16, 1) if node_ranks > cores else (512, 1024)
 
 
 def process_participant(create_board: bool = False) -> Participant:

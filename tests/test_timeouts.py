@@ -175,7 +175,7 @@ def test_invalid_environment_timeout_fails_at_first_use_not_import():
 @pytest.mark.parametrize(
     ("forced", "node_ranks", "expected"),
     [
-        ("", 1, (512, 64)),  # fewer ranks than cores: spin, then yield now and then
+        ("", 1, (512, 1024)),  # fewer ranks than cores: spin, then yield now and then
         ("", 10_000, (16, 1)),  # more ranks than cores: yield soon, at every test
         ("1", 1, (16, 1)),
         ("0", 10_000, (1 << 62, 1)),  # never
