@@ -13,20 +13,20 @@ while some thread calls into it, so a sleeping rank would stall its peers.
 
 Cost model (measured here with MPICH, 2 cores): one ``Test`` costs about
 0.1-0.3 us, and ``sched_yield`` about 0.7 us when no other process waits for
-the core, so completion is noticed within about 0.5 us. With 4 ranks on 2 cores, yielding after 16
-tests matches MPICH's own blocking calls (18 us for a 16-byte allreduce,
-against 228 us when yielding only after 1024 tests); with 2 ranks on 2 cores,
-yielding at every test after 512 made the 64 MiB uneven all-to-all 10-20 %
-slower than raw MPI (MPI's progress engine moves a large message only while
-it is called), one test in 64 5-10 % faster; one in 1024 made the node
-engine's 1-4 MiB calls (whose waits on its counters test every 0.1 us)
-another 5-9 % faster. The deadline check adds
-one clock read per 256 tests. A collective that has waited 10 ms also reads
-its peers' status-board records every 10 ms, so that a peer that rejected
-the call locally (bad input) makes it raise at once instead of at the
-deadline. Requests of the in-process simulated backend carry an event and
-are waited on with it (in 10 ms slices, for the same check), so simulated
-ranks do not spin.
+the core, so completion is noticed within about 0.5 us. With 4 ranks on 2
+cores, yielding after 16 tests matches MPICH's own blocking calls (18 us for
+a 16-byte allreduce, against 228 us when yielding only after 1024 tests);
+with 2 ranks on 2 cores, yielding at every test after 512 made the 64 MiB
+uneven all-to-all 10-20 % slower than raw MPI (MPI's progress engine moves a
+large message only while it is called), one test in 64 5-10 % faster; one in
+1024 made the node engine's 1-4 MiB calls (whose waits on its counters test
+every 0.1 us) another 5-9 % faster. The deadline check adds one clock read
+per 256 tests. A collective that has waited 10 ms also reads its peers'
+status-board records every 10 ms, so that a peer that rejected the call
+locally (bad input) makes it raise at once instead of at the deadline.
+Requests of the in-process simulated backend carry an event and are waited
+on with it (in 10 ms slices, for the same check), so simulated ranks do not
+spin.
 """
 
 from __future__ import annotations

@@ -286,19 +286,24 @@ class NodeEngine:
         p = self.size
         return [lo + (count * j // p) * item for j in range(p)] + [hi]
 
-    def _claim(self, deadline: float, probe) -> tuple[int, int]:
-        """The next round's number and window offset, once its slot is free."""
+    def _claim(self, deadline: float, probe, signature: int) -> tuple[int, int]:
+        """The next round's number and window offset, once its slot is free.
+
+        Publishes the ``signature`` of the call the round belongs to, for
+        :meth:`_agree`.
+        """
         t = self.round
         if t >= 2:  # every rank has consumed round t - 2, which used this slot
             self._wait(_CONSUMED, t - 1, deadline, probe)
+        self.mine[_CALL + t % 2] = signature
         return t, (t % 2) * self.slot
 
     def _agree(self, signature: int, t: int) -> None:
         """After the first round ``t`` of a call is published: every rank makes the same call.
 
-        Each call publishes its signature after its first :meth:`_claim`,
-        in the word of that round's parity: a rank one round ahead has
-        started its next call without overwriting it.
+        Every round publishes its call's signature in :meth:`_claim`, in
+        the word of that round's parity: a rank one round ahead has started
+        its next call without overwriting it.
 
         Ranks that disagree (different sizes, dtypes or operations: an
         erroneous program) would otherwise pair rounds of different calls and
@@ -333,9 +338,7 @@ class NodeEngine:
         signature = _signature(0, x, mpi_op)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            t, base = self._claim(deadline, probe)
-            if lo == 0:
-                self.mine[_CALL + t % 2] = signature
+            t, base = self._claim(deadline, probe, signature)
             parts = self._parts(lo, hi, item)
             mywin = windows[me]
             for j in range(self.size):
@@ -387,9 +390,7 @@ class NodeEngine:
         for lo in range(0, block, step):
             hi = min(block, lo + step)
             m = hi - lo
-            t, base = self._claim(deadline, probe)
-            if lo == 0:
-                self.mine[_CALL + t % 2] = signature
+            t, base = self._claim(deadline, probe, signature)
             mywin = windows[me]
             for j in range(p):
                 if j != me:
@@ -419,9 +420,7 @@ class NodeEngine:
         signature = _signature(2, x)
         for lo in range(0, n, self.slot):
             hi = min(n, lo + self.slot)
-            t, base = self._claim(deadline, probe)
-            if lo == 0:
-                self.mine[_CALL + t % 2] = signature
+            t, base = self._claim(deadline, probe, signature)
             windows[me][base : base + hi - lo] = xb[lo:hi]
             self._post(_READY, t + 1)
             ob[me, lo:hi] = xb[lo:hi]

@@ -304,6 +304,15 @@ def _describe_activity(row: np.ndarray, key: int, now_ns: int) -> str:
     return f"{_STATE_NAMES[state]} in {label} {since:.1f} s ago"
 
 
+def _peer_slots(participant: Participant, world_ranks: Sequence[int], key: int):
+    """``(group rank, record, slot of communicator key or None)`` of each peer on this node."""
+    rows = participant.board.rows
+    for local, global_rank in enumerate(world_ranks):
+        row = rows.get(global_rank)
+        if row is not None and global_rank != participant.world_rank:
+            yield local, row, _slot_of(row, key)
+
+
 def rejected_by(
     participant: Participant, world_ranks: Sequence[int], key: int, seq: int
 ) -> list[int]:
@@ -311,16 +320,11 @@ def rejected_by(
 
     Only the records this process can see (its node) are read.
     """
-    rows = participant.board.rows
-    found = []
-    for local, global_rank in enumerate(world_ranks):
-        row = rows.get(global_rank)
-        if row is None or global_rank == participant.world_rank:
-            continue
-        slot = _slot_of(row, key)
-        if slot is not None and int(row[slot + REJECTED]) == seq:
-            found.append(local)
-    return found
+    return [
+        local
+        for local, row, slot in _peer_slots(participant, world_ranks, key)
+        if slot is not None and int(row[slot + REJECTED]) == seq
+    ]
 
 
 def sizes_apart(
@@ -334,20 +338,13 @@ def sizes_apart(
     rec = participant.row
     rec[slot + WAIT_BYTES] = nbytes
     rec[slot + WAIT_SEQ] = seq  # last: a reader that sees seq sees the bytes
-    rows = participant.board.rows
-    found = []
-    for local, global_rank in enumerate(world_ranks):
-        row = rows.get(global_rank)
-        if row is None or global_rank == participant.world_rank:
-            continue
-        other = _slot_of(row, key)
-        if (
-            other is not None
-            and int(row[other + WAIT_SEQ]) == seq
-            and int(row[other + WAIT_BYTES]) != nbytes
-        ):
-            found.append((local, int(row[other + WAIT_BYTES])))
-    return found
+    return [
+        (local, int(row[other + WAIT_BYTES]))
+        for local, row, other in _peer_slots(participant, world_ranks, key)
+        if other is not None
+        and int(row[other + WAIT_SEQ]) == seq
+        and int(row[other + WAIT_BYTES]) != nbytes
+    ]
 
 
 def arrivals(
@@ -359,13 +356,8 @@ def arrivals(
     collective seq as another operation]``. Every group rank must be on this
     node's board.
     """
-    rows = participant.board.rows
     everyone, elsewhere = True, []
-    for local, global_rank in enumerate(world_ranks):
-        if global_rank == participant.world_rank:
-            continue
-        row = rows[global_rank]
-        slot = _slot_of(row, key)
+    for local, row, slot in _peer_slots(participant, world_ranks, key):
         entered = 0 if slot is None else int(row[slot + 1])
         if entered < seq:
             everyone = False
