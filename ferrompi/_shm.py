@@ -22,7 +22,9 @@ and lets every rank read its peers' windows directly:
   barrier every rank copies every window into its output.
 
 Windows hold two rounds (double buffering): a rank fills one while its peers
-still read the other. Progress is tracked by three counters per rank in a
+still read the other. Rounds of small calls rotate over the first
+:data:`RING_BYTES` of the window instead (:func:`_place`), so that a rank
+rarely rewrites lines its peers have just read. Progress is tracked by three counters per rank in a
 second small window (round inputs published, round reduced, round consumed),
 on separate cache lines; a rank waits for its peers' counters with the same
 spin-then-yield loop as every ferrompi wait, under the call's deadline.
@@ -95,6 +97,13 @@ SLOT_BYTES = 2 << 20
 _READY, _REDUCED, _CONSUMED = 0, 8, 16  # counter words, one cache line apart
 _CALL = 24  # two words, by round parity: the call (:func:`_signature`) starting there
 _FLAG_WORDS = 32
+_PAGE = 4096  # rounds start on page boundaries of the window
+
+#: Bytes of the window over which small rounds rotate (:meth:`NodeEngine._claim`).
+#: Measured with 2 ranks (docs/performance.md): 2 MiB made allreduce and
+#: reduce_scatter 3-26 % faster at 64-256 KiB; 4 MiB also slowed 1 MiB calls
+#: by 3-9 % in quiet periods (more lines than one core's 1 MiB L2 holds).
+RING_BYTES = 2 << 20
 
 # numpy ufunc of each MPI reduction the engine performs, by the op's handle
 _UFUNCS = {}
@@ -201,6 +210,35 @@ def _reduce_into(ufunc, sources: list[np.ndarray], dst: np.ndarray) -> None:
         ufunc(dst, src, out=dst)
 
 
+def _place(t: int, nbytes: int, slot: int, last: tuple[int, int]) -> tuple[int, int, int]:
+    """Where round ``t`` of ``nbytes`` bytes goes in a window of two ``slot``-byte halves.
+
+    Returns ``(start, end, consumed)``: the bytes the round takes, and the
+    number of rounds every rank must have consumed before it writes there
+    (0: no wait). ``last`` is the ``(start, end)`` of this rank's round
+    ``t - 1``.
+
+    Rounds alternate between the two halves of the window, except rounds of
+    at most :data:`RING_BYTES` / 3: round ``t`` then takes the ``t % k``-th
+    of the ``k`` page-aligned places of its size in the first
+    :data:`RING_BYTES` of the window. A small call thus writes lines its
+    peers have not read in its last ``k - 1`` calls, rather than the ones
+    they read in the call before last, which costs several times more
+    (docs/performance.md, "Busy periods"). The place depends only on ``t``
+    and ``nbytes``, which every rank shares. Round ``t`` waits until round
+    ``t - 2`` is consumed everywhere, and until round ``t - 1`` is when its
+    place overlaps that round's (after a call of another size).
+    """
+    align = min(_PAGE, slot)
+    stride = -(-nbytes // align) * align
+    places = min(2 * slot, RING_BYTES) // stride
+    start = t % places * stride if places > 2 else t % 2 * slot
+    end = start + stride
+    if t >= 1 and start < last[1] and last[0] < end:
+        return start, end, t
+    return start, end, t - 1 if t >= 2 else 0
+
+
 class PeerWait(Exception):
     """A wait for the peers' counters passed its deadline (the caller reports it)."""
 
@@ -234,6 +272,7 @@ class NodeEngine:
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.flag_win.Lock_all(MPI.MODE_NOCHECK)
         self.round = 0  # rounds completed by this engine (the same on every rank)
+        self.last_place = (0, 0)  # window bytes of this rank's latest round
         node.Barrier()  # counters zeroed before anyone reads them
 
     @classmethod
@@ -286,17 +325,19 @@ class NodeEngine:
         p = self.size
         return [lo + (count * j // p) * item for j in range(p)] + [hi]
 
-    def _claim(self, deadline: float, probe, signature: int) -> tuple[int, int]:
-        """The next round's number and window offset, once its slot is free.
+    def _claim(self, deadline: float, probe, signature: int, nbytes: int) -> tuple[int, int]:
+        """The next round's number and window offset (:func:`_place`), once its bytes are free.
 
         Publishes the ``signature`` of the call the round belongs to, for
         :meth:`_agree`.
         """
         t = self.round
-        if t >= 2:  # every rank has consumed round t - 2, which used this slot
-            self._wait(_CONSUMED, t - 1, deadline, probe)
+        base, end, consumed = _place(t, nbytes, self.slot, self.last_place)
+        if consumed:
+            self._wait(_CONSUMED, consumed, deadline, probe)
+        self.last_place = (base, end)
         self.mine[_CALL + t % 2] = signature
-        return t, (t % 2) * self.slot
+        return t, base
 
     def _agree(self, signature: int, t: int) -> None:
         """After the first round ``t`` of a call is published: every rank makes the same call.
@@ -338,7 +379,7 @@ class NodeEngine:
         signature = _signature(0, x, mpi_op)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            t, base = self._claim(deadline, probe, signature)
+            t, base = self._claim(deadline, probe, signature, hi - lo)
             parts = self._parts(lo, hi, item)
             mywin = windows[me]
             for j in range(self.size):
@@ -390,7 +431,7 @@ class NodeEngine:
         for lo in range(0, block, step):
             hi = min(block, lo + step)
             m = hi - lo
-            t, base = self._claim(deadline, probe, signature)
+            t, base = self._claim(deadline, probe, signature, p * m)
             mywin = windows[me]
             for j in range(p):
                 if j != me:
@@ -420,7 +461,7 @@ class NodeEngine:
         signature = _signature(2, x)
         for lo in range(0, n, self.slot):
             hi = min(n, lo + self.slot)
-            t, base = self._claim(deadline, probe, signature)
+            t, base = self._claim(deadline, probe, signature, hi - lo)
             windows[me][base : base + hi - lo] = xb[lo:hi]
             self._post(_READY, t + 1)
             ob[me, lo:hi] = xb[lo:hi]

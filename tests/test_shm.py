@@ -298,3 +298,54 @@ def test_allreduce_coalesced_fuses_by_dtype(engine_everywhere):
         want = reference(fm.ReduceOp.SUM, [xs[j][i] for j in range(p)])
         assert g.shape == want.shape and g.dtype == want.dtype
         np.testing.assert_allclose(g, want)
+
+
+@pytest.fixture
+def small_ring(engine_everywhere, monkeypatch):
+    """16 KiB rounds, and small rounds rotating over the first 16 KiB of the window."""
+    monkeypatch.setattr(_shm, "SLOT_BYTES", 16 << 10)
+    monkeypatch.setattr(_shm, "RING_BYTES", 16 << 10)
+
+
+def test_small_rounds_rotate_through_the_window(small_ring):
+    b = fresh_world()
+    x = rank_data(b.rank, (512,), np.int64, seed=1)  # 4 KiB: 4 places of 4 KiB in the ring
+    want = np.empty_like(x)
+    b.comm.Allreduce(x, want, MPI.SUM)
+    places = []
+    for _ in range(6):
+        np.testing.assert_array_equal(fm.allreduce(x, b), want)
+        places.append(b._state.shm.last_place)
+    assert places == [(i % 4 * 4096, i % 4 * 4096 + 4096) for i in range(6)]
+    # a round of more than a third of the ring takes a half of the window, by parity (t = 6, 7)
+    y = rank_data(b.rank, (1024,), np.int64, seed=2)  # 8 KiB
+    for t in (6, 7):
+        fm.allreduce(y, b)
+        assert b._state.shm.last_place == (t % 2 * (16 << 10), t % 2 * (16 << 10) + 8192)
+
+
+def test_rounds_of_changing_sizes_give_mpi_results(small_ring):
+    # Calls of changing sizes put rounds on places that overlap the previous
+    # round's: the rank waits until its peers have read that round. Ranks that
+    # run ahead (several ranks per core) would otherwise overwrite data a peer
+    # is still reading; integer sums make any such error visible.
+    b = fresh_world()
+    p, r, comm = b.world_size, b.rank, b.comm
+    rng = np.random.default_rng(5)  # the same sizes on every rank
+    for i in range(90):
+        n = int(rng.choice([1, 300, 512, 700, 1024, 2048, 5000])) * p
+        x = rank_data(r, (n,), np.int64, seed=i)
+        kind = i % 3
+        if kind == 0:
+            want = np.empty_like(x)
+            comm.Allreduce(x, want, MPI.SUM)
+            got = fm.allreduce(x, b)
+        elif kind == 1:
+            want = np.empty(n // p, np.int64)
+            comm.Reduce_scatter_block(x, want, MPI.SUM)
+            got = fm.reduce_scatter(x, b)
+        else:
+            want = np.empty(n * p, np.int64)
+            comm.Allgather(x, want)
+            got = fm.all_gather(x, b)
+        np.testing.assert_array_equal(got, want, err_msg=f"call {i}")
