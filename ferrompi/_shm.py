@@ -72,17 +72,17 @@ __all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "en
 #: Default message sizes (bytes per rank) from which the engine is used,
 #: measured on the 2-core development machine with 2 and 4 ranks against
 #: ferrompi's MPI path in the same job (docs/performance.md): allreduce and
-#: reduce_scatter win from 48-64 KiB on (reduce_scatter on one node only),
-#: all_gather (one node only) from 128 KiB up to its ceiling (:data:`CEILINGS`).
-#: Across nodes the hierarchical allreduce starts at 1 MiB instead: the
-#: alpha-beta model fitted to this machine (docs/performance.md; a network
-#: cannot be measured here) has MPICH's own algorithms faster below that on
-#: 64 nodes of 8 ranks.
+#: reduce_scatter (one node only) win in every job from 48 KiB on, most
+#: often from 32 KiB; all_gather (one node only) from 32 KiB up to its
+#: ceiling (:data:`CEILINGS`). Across nodes the hierarchical allreduce starts
+#: at 1 MiB instead: the alpha-beta model fitted to this machine
+#: (docs/performance.md; a network cannot be measured here) has MPICH's own
+#: algorithms faster below that on 64 nodes of 8 ranks.
 THRESHOLDS = {
-    "allreduce": 64 << 10,
+    "allreduce": 48 << 10,
     "allreduce_hierarchical": 1 << 20,
-    "reduce_scatter": 64 << 10,
-    "all_gather": 128 << 10,
+    "reduce_scatter": 48 << 10,
+    "all_gather": 32 << 10,
 }
 
 #: Default message sizes (bytes per rank) above which an operation goes back

@@ -126,33 +126,47 @@ def test_reduce_scatter_and_all_gather_on_one_node(engine_everywhere):
     assert b._state.shm and b._state.shm.rail is None
 
 
-def test_default_thresholds_route_64_kib_to_the_engine():
-    # the defaults, not the fixture: allreduce and reduce_scatter of 64 KiB per
-    # rank run on the engine and give MPI's integer sums bit for bit
+def test_default_thresholds_route_48_kib_to_the_engine():
+    # the defaults, not the fixture: allreduce and reduce_scatter of 48 KiB
+    # per rank run on the engine, 32 KiB through MPI, and all give MPI's
+    # integer sums bit for bit
     b = fresh_world()
     p, r = b.world_size, b.rank
-    x = rank_data(r, (p * 1024, 8), np.int64, seed=5)  # p blocks of 64 KiB
-    assert _shm.LIMITS["reduce_scatter"] <= x.nbytes and _shm.LIMITS["allreduce"] <= 64 * 1024
-    mpi = np.empty((1024, 8), np.int64)
-    b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
-    np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
-    engine = b._state.shm
-    assert engine and engine.rail is None and engine.round > 0, "reduce_scatter ran on MPI"
-    rounds = engine.round
-    y = x[:1024]
-    mpi = np.empty_like(y)
-    b.comm.Allreduce(y, mpi, MPI.SUM)
-    np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
-    assert engine.round > rounds, "allreduce ran on MPI"
+    ran = {}
+    for kib in (32, 48):
+        n = kib * 128  # int64 elements in kib KiB
+        x = rank_data(r, (p * -(-n // p),), np.int64, seed=kib)  # at least kib KiB, p blocks
+        if kib == 32:
+            x = x[: p * (n // p)]  # at most 32 KiB
+        engine = b._state.shm
+        rounds = engine.round if engine else 0
+        mpi = np.empty(x.size // p, np.int64)
+        b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
+        np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
+        engine = b._state.shm
+        ran["reduce_scatter", kib] = bool(engine) and engine.round > rounds
+        rounds = engine.round if engine else 0
+        y = rank_data(r, (n,), np.int64, seed=kib + 1)
+        mpi = np.empty_like(y)
+        b.comm.Allreduce(y, mpi, MPI.SUM)
+        np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
+        engine = b._state.shm
+        ran["allreduce", kib] = bool(engine) and engine.round > rounds
+    assert ran == {
+        ("reduce_scatter", 32): False,
+        ("allreduce", 32): False,
+        ("reduce_scatter", 48): True,
+        ("allreduce", 48): True,
+    }
 
 
 def test_default_all_gather_window():
-    # the defaults: all_gather uses the engine from 128 KiB to 1 MiB per rank
+    # the defaults: all_gather uses the engine from 32 KiB to 1 MiB per rank
     # only, and every size gives MPI's bytes
     b = fresh_world()
     p, r = b.world_size, b.rank
     ran = []
-    for nbytes in (64 << 10, 128 << 10, 1 << 20, 2 << 20):
+    for nbytes in (16 << 10, 32 << 10, 1 << 20, 2 << 20):
         x = rank_data(r, (nbytes // 8,), np.int64, seed=nbytes)
         mpi = np.empty((p * x.size,), np.int64)
         b.comm.Allgather(x, mpi)
