@@ -8,7 +8,11 @@ them in again). ferrompi's node engine instead keeps one persistent window
 per rank (``Win.Allocate_shared`` over ``Comm.Split_type(COMM_TYPE_SHARED)``)
 and lets every rank read its peers' windows directly:
 
-* **allreduce**, per round of at most ``slot`` bytes of the message: rank
+* **allreduce** of small messages (at most :data:`ONE_SHOT_BYTES` to read
+  from the peers, one node): every rank copies its input into its window;
+  after a flag barrier every rank reduces the whole message, reading every
+  window, into its output.
+* **allreduce** of larger ones, per round of at most ``slot`` bytes: rank
   ``r`` copies the parts of its input that the others own into its window;
   after a flag barrier it reduces the part it owns, reading its own part
   from its private input and the others' from their windows, and writes the
@@ -71,15 +75,16 @@ __all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "en
 
 #: Default message sizes (bytes per rank) from which the engine is used,
 #: measured on the 2-core development machine with 2 and 4 ranks against
-#: ferrompi's MPI path in the same job (docs/performance.md): allreduce and
-#: reduce_scatter (one node only) win in every job from 48 KiB on, most
-#: often from 32 KiB; all_gather (one node only) from 32 KiB up to its
-#: ceiling (:data:`CEILINGS`). Across nodes the hierarchical allreduce starts
+#: ferrompi's MPI path in the same job (docs/performance.md): allreduce
+#: (in one step up to :data:`ONE_SHOT_BYTES`) wins in every job from 16 KiB,
+#: where MPICH's own allreduce doubles its time; reduce_scatter (one node
+#: only) from 48 KiB, most often from 32 KiB; all_gather (one node only) from
+#: 32 KiB up to its ceiling (:data:`CEILINGS`). Across nodes the hierarchical allreduce starts
 #: at 1 MiB instead: the alpha-beta model fitted to this machine
 #: (docs/performance.md; a network cannot be measured here) has MPICH's own
 #: algorithms faster below that on 64 nodes of 8 ranks.
 THRESHOLDS = {
-    "allreduce": 48 << 10,
+    "allreduce": 16 << 10,
     "allreduce_hierarchical": 1 << 20,
     "reduce_scatter": 48 << 10,
     "all_gather": 32 << 10,
@@ -93,6 +98,13 @@ CEILINGS = {"all_gather": 1 << 20}
 
 #: Bytes of one round in each rank's window (two rounds are kept).
 SLOT_BYTES = 2 << 20
+
+#: Largest ``(ranks - 1) * bytes`` of a single-node allreduce done in one step
+#: (every rank reduces the whole message from every window: one flag barrier
+#: instead of two). Against the two steps with 2 ranks (docs/performance.md):
+#: 0.60-0.90 of the time at 8-48 KiB, 0.85-0.98 at 64 KiB, 0.89-1.13 from
+#: 96 KiB on.
+ONE_SHOT_BYTES = 64 << 10
 
 _READY, _REDUCED, _CONSUMED = 0, 8, 16  # counter words, one cache line apart
 _CALL = 24  # two words, by round parity: the call (:func:`_signature`) starting there
@@ -377,6 +389,18 @@ class NodeEngine:
         n = xb.size
         me, windows = self.rank, self.windows
         signature = _signature(0, x, mpi_op)
+        if self.rail is None and 0 < n <= self.slot and (self.size - 1) * n <= ONE_SHOT_BYTES:
+            t, base = self._claim(deadline, probe, signature, n)
+            windows[me][base : base + n] = xb
+            self._post(_READY, t + 1)
+            self._wait(_READY, t + 1, deadline, probe)
+            self._agree(signature, t)
+            # every rank reduces the whole message, in rank order: the same bits
+            # everywhere; its own part is read from its window, as out may be x
+            _reduce_into(ufunc, [w[base : base + n].view(dtype) for w in windows], ob.view(dtype))
+            self._post(_CONSUMED, t + 1)
+            self.round = t + 1
+            return
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             t, base = self._claim(deadline, probe, signature, hi - lo)

@@ -86,12 +86,17 @@ def check_allreduce(b: fm.MPIBackend) -> None:
             else:
                 np.testing.assert_array_equal(got, want)
             assert identical_everywhere(b.comm, got), (dtype, op, n)
-    # integer sums are exactly MPI's; in place works
-    x = rank_data(b.rank, (3, 1001), np.int64, seed=9)
-    mpi = np.empty_like(x)
-    b.comm.Allreduce(x, mpi, MPI.SUM)
-    fm.allreduce(x, b, out=x)
-    np.testing.assert_array_equal(x, mpi)
+    # integer sums are exactly MPI's; in place works, in one step (a message
+    # within the 1 KiB slot) and in two (many rounds)
+    pairs = []
+    for shape in ((100,), (3, 1001)):
+        x = rank_data(b.rank, shape, np.int64, seed=9)
+        mpi = np.empty_like(x)
+        b.comm.Allreduce(x, mpi, MPI.SUM)
+        fm.allreduce(x, b, out=x)
+        pairs.append((x, mpi))
+    for x, mpi in pairs:  # after the loop: a rank that fails leaves no peer waiting
+        np.testing.assert_array_equal(x, mpi)
     assert b._state.shm, "the engine was not used"
 
 
@@ -126,25 +131,16 @@ def test_reduce_scatter_and_all_gather_on_one_node(engine_everywhere):
     assert b._state.shm and b._state.shm.rail is None
 
 
-def test_default_thresholds_route_48_kib_to_the_engine():
-    # the defaults, not the fixture: allreduce and reduce_scatter of 48 KiB
-    # per rank run on the engine, 32 KiB through MPI, and all give MPI's
-    # integer sums bit for bit
+def test_default_thresholds_route_to_the_engine():
+    # the defaults, not the fixture: allreduce from 16 KiB and reduce_scatter
+    # from 48 KiB of input per rank run on the engine, a size below each
+    # through MPI, and all give MPI's integer sums bit for bit
     b = fresh_world()
     p, r = b.world_size, b.rank
     ran = {}
-    for kib in (32, 48):
+    for kib in (12, 16, 32, 48):
         n = kib * 128  # int64 elements in kib KiB
-        x = rank_data(r, (p * -(-n // p),), np.int64, seed=kib)  # at least kib KiB, p blocks
-        if kib == 32:
-            x = x[: p * (n // p)]  # at most 32 KiB
         engine = b._state.shm
-        rounds = engine.round if engine else 0
-        mpi = np.empty(x.size // p, np.int64)
-        b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
-        np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
-        engine = b._state.shm
-        ran["reduce_scatter", kib] = bool(engine) and engine.round > rounds
         rounds = engine.round if engine else 0
         y = rank_data(r, (n,), np.int64, seed=kib + 1)
         mpi = np.empty_like(y)
@@ -152,11 +148,24 @@ def test_default_thresholds_route_48_kib_to_the_engine():
         np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
         engine = b._state.shm
         ran["allreduce", kib] = bool(engine) and engine.round > rounds
+        rounds = engine.round if engine else 0
+        x = rank_data(r, (p * -(-n // p),), np.int64, seed=kib)  # at least kib KiB, p blocks
+        if kib == 32:
+            x = x[: p * (n // p)]  # at most 32 KiB
+        mpi = np.empty(x.size // p, np.int64)
+        b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
+        np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
+        engine = b._state.shm
+        ran["reduce_scatter", kib] = bool(engine) and engine.round > rounds
     assert ran == {
+        ("allreduce", 12): False,
+        ("reduce_scatter", 12): False,
+        ("allreduce", 16): True,
+        ("reduce_scatter", 16): False,
+        ("allreduce", 32): True,
         ("reduce_scatter", 32): False,
-        ("allreduce", 32): False,
-        ("reduce_scatter", 48): True,
         ("allreduce", 48): True,
+        ("reduce_scatter", 48): True,
     }
 
 
@@ -276,13 +285,13 @@ def test_ranks_that_pass_different_arrays_to_the_engine_raise_at_once(engine_eve
 
 @pytest.mark.parametrize("warm", [True, False], ids=["engine built", "first use"])
 def test_sizes_on_both_sides_of_the_engine_threshold_raise_at_once(warm):
-    # the defaults: rank 0's 80 000 bytes take the engine, the others' 40 000 MPI;
+    # the defaults: rank 0's 80 000 bytes take the engine, the others' 8 000 MPI;
     # before the check, both sides waited for their timeout, or (first use) hung
     b = fresh_world()
     if warm:
         fm.allreduce(np.ones(1 << 14), b)  # 128 KiB: builds the engine
-    n = 10_000 if b.rank == 0 else 5_000
-    assert _shm.LIMITS["allreduce"] <= 8 * 10_000 and 8 * 5_000 < _shm.LIMITS["allreduce"]
+    n = 10_000 if b.rank == 0 else 1_000
+    assert _shm.LIMITS["allreduce"] <= 8 * 10_000 and 8 * 1_000 < _shm.LIMITS["allreduce"]
     start = time.monotonic()
     with pytest.raises(fm.DistributedError) as info:
         fm.allreduce(np.ones(n), b, timeout=20)
