@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from mpi4py import MPI
 
 BIN = pathlib.Path(sys.executable).parent
 MPIEXEC = BIN / "mpiexec"
@@ -80,6 +81,9 @@ HANGS = """
     @pytest.mark.mpi(min_size=2)
     @pytest.mark.fm_timeout(5)
     def test_hangs_on_rank_1(fm_world):
+        with open("/proc/self/maps") as f:
+            mapped = {l.split(None, 5)[5].strip() for l in f if "/dev/shm/mpich_shm_" in l}
+        print("MAPPED", *sorted(mapped), flush=True)
         if fm_world.rank == 1:
             time.sleep(3600)  # HANGS-HERE
         fm.barrier(fm_world)
@@ -154,6 +158,11 @@ def test_a_hang_is_aborted_by_the_watchdog_and_the_run_ends_quickly(tmp_path):
     # Every rank reports where it is before the job ends: the one that hangs ...
     assert re.search(r"ferrompi: rank 1 \(.*\): test test_user.py::test_hangs_on_rank_1", out), out
     assert "time.sleep(3600)  # HANGS-HERE" in out, out
+    # MPI_Abort leaves MPICH's node segments behind unless the watchdog removes them
+    mapped = {p for line in re.findall(r"^MAPPED(.*)$", out, re.M) for p in line.split()}
+    if "MPICH" in MPI.Get_library_version():
+        assert mapped, out
+    assert [p for p in mapped if os.path.exists(p)] == [], mapped
     # ... and the others, blocked in the barrier it never reaches.
     assert re.search(r"ferrompi: rank 0 \(.*\): test test_user.py::test_hangs_on_rank_1", out), out
     assert "in barrier" in out, out
