@@ -49,6 +49,12 @@ as in the OSU and nccl-tests benchmarks; then MPICH's single-copy transfers
 flatters them against any shared-memory algorithm when the two ranks' cores
 do not share a cache (docs/performance.md, "Busy periods").
 
+Every run starts and ends with a cache probe (:func:`cache_probe`): the
+time rank 0 takes to overwrite 512 KiB of shared memory that rank 1 has
+just read. On the development VM it is about 50 us in quiet periods and
+150-230 us in busy ones, in which the node engine loses its lead over MPI
+with constant inputs; read the ratios of a run with it.
+
 ``--memory`` measures the peak resident memory each rank adds during a
 64 MiB allreduce (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``), for ferrompi with ``out=``, ferrompi returning a
@@ -520,6 +526,68 @@ def memory_report(world, comm) -> dict[str, float]:
 # ---------------------------------------------------------------------------
 
 
+PROBE_BYTES = 512 * KiB
+
+
+def cache_probe(comm, repeats: int = 40) -> dict[str, float] | None:
+    """What writing shared memory costs right now (docs/performance.md, "Busy periods").
+
+    Ranks 0 and 1, when they share a node, share a window of two 512 KiB
+    regions. Rank 1 reads the first; rank 0 then overwrites it, and also
+    writes the second, which no one reads. On the development VM the first
+    write takes about 50 us in quiet periods and 150-230 us in busy ones,
+    the second about 12 us in both: the state that decides whether the node
+    engine beats MPI with constant inputs. Returns the medians in
+    microseconds on rank 0; None on the other ranks, or when ranks 0 and 1
+    are on different nodes (collective over ``comm``).
+    """
+    pair = comm.Split(0 if comm.rank < 2 else MPI.UNDEFINED, comm.rank)
+    if pair == MPI.COMM_NULL:
+        return None
+    node = pair.Split_type(MPI.COMM_TYPE_SHARED, key=pair.rank)
+    together = node.size == 2
+    node.Free()
+    if pair.size < 2 or not together:
+        pair.Free()
+        return None
+    win = MPI.Win.Allocate_shared(2 * PROBE_BYTES if pair.rank == 0 else 0, 1, comm=pair)
+    buf, _ = win.Shared_query(0)
+    shared = np.frombuffer(buf, np.uint8, count=2 * PROBE_BYTES)
+    read, unread = shared[:PROBE_BYTES], shared[PROBE_BYTES:]
+    src = np.ones(PROBE_BYTES, np.uint8)
+    tmp = np.empty(PROBE_BYTES, np.uint8)
+    times: dict[str, list[float]] = {"write_after_peer_read_us": [], "write_alone_us": []}
+    win.Lock_all()
+    for _ in range(repeats):
+        pair.Barrier()
+        if pair.rank == 1:
+            np.copyto(tmp, read)
+        win.Sync()
+        pair.Barrier()
+        win.Sync()
+        if pair.rank == 0:
+            for name, region in (("write_after_peer_read_us", read), ("write_alone_us", unread)):
+                start = time.perf_counter()
+                np.copyto(region, src)
+                times[name].append((time.perf_counter() - start) * 1e6)
+    win.Unlock_all()
+    win.Free()
+    pair.Free()
+    if comm.rank != 0:
+        return None
+    return {k: round(statistics.median(v[repeats // 4 :]), 1) for k, v in times.items()}
+
+
+def probe_line(when: str, probe: dict[str, float] | None) -> str:
+    if probe is None:
+        return f"# cache probe ({when}): not measured (needs ranks 0 and 1 on one node)"
+    return (
+        f"# cache probe ({when}): 512 KiB written after the peer read it "
+        f"{probe['write_after_peer_read_us']:.0f} us, unread {probe['write_alone_us']:.0f} us "
+        "(on the development VM about 50 us in quiet periods, 150-230 us in busy ones)"
+    )
+
+
 def table(results: list[dict], impls: list[str]) -> str:
     lines = []
     head = f"{'op':<22}{'size':>10}" + "".join(f"{name:>20}" for name in impls)
@@ -647,8 +715,10 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch_version}"
         + (", inputs rewritten before every call" if args.rewrite_inputs else "")
     )
+    probes = {"before": cache_probe(comm)}
     if world.rank == 0:
         print(header, flush=True)
+        print(probe_line("before", probes["before"]), flush=True)
     results = []
     for op in ops:
         op_sizes = [4 * KiB] if op == "allreduce_coalesced" else sizes
@@ -670,8 +740,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{op:<22}{human(nbytes):>10}  {parts}", flush=True)
 
     memory = memory_report(world, comm) if args.memory else None
+    probes["after"] = cache_probe(comm)
     status = 0
     if world.rank == 0:
+        print(probe_line("after", probes["after"]))
         impls = list(dict.fromkeys(k for r in results for k in r["stats"]))
         print()
         print(table(results, impls))
@@ -681,7 +753,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<32}{mib:8.1f} MiB")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"header": header, "results": results, "memory": memory}, f, indent=1)
+                json.dump(
+                    {"header": header, "cache_probe": probes, "results": results, "memory": memory},
+                    f,
+                    indent=1,
+                )
         if args.plot:
             os.makedirs(args.plot, exist_ok=True)
             for path in plot(results, args.plot, world.world_size):
