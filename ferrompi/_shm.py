@@ -102,7 +102,7 @@ SLOT_BYTES = 2 << 20
 #: Largest ``(ranks - 1) * bytes`` of a single-node allreduce done in one step
 #: (every rank reduces the whole message from every window: one flag barrier
 #: instead of two). Against the two steps with 2 ranks (docs/performance.md):
-#: 0.60-0.90 of the time at 8-48 KiB, 0.85-0.98 at 64 KiB, 0.89-1.13 from
+#: 0.60-0.90 of the time at 8-48 KiB, 0.84-0.98 at 64 KiB, 0.89-1.13 from
 #: 96 KiB on.
 ONE_SHOT_BYTES = 64 << 10
 
