@@ -28,10 +28,11 @@ and lets every rank read its peers' windows directly:
 Windows hold two rounds (double buffering): a rank fills one while its peers
 still read the other. Rounds of small calls rotate over the first
 :data:`RING_BYTES` of the window instead (:func:`_place`), so that a rank
-rarely rewrites lines its peers have just read. Progress is tracked by three counters per rank in a
-second small window (round inputs published, round reduced, round consumed),
-on separate cache lines; a rank waits for its peers' counters with the same
-spin-then-yield loop as every ferrompi wait, under the call's deadline.
+rarely rewrites lines its peers have just read. Progress is tracked by
+three counters per rank in a second small window (round inputs published,
+round reduced, round consumed), on separate cache lines; a rank waits for
+its peers' counters with the same spin-then-yield loop as every ferrompi
+wait, under the call's deadline.
 
 Across nodes (a communicator whose ranks span several nodes, with the same
 number of ranks on each), allreduce is hierarchical: the node-local rounds
@@ -78,11 +79,11 @@ __all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "en
 #: ferrompi's MPI path in the same job (docs/performance.md): allreduce
 #: (in one step up to :data:`ONE_SHOT_BYTES`) wins in every job from 16 KiB,
 #: where MPICH's own allreduce doubles its time; reduce_scatter (one node
-#: only) from 48 KiB, most often from 32 KiB; all_gather (one node only) from
-#: 32 KiB up to its ceiling (:data:`CEILINGS`). Across nodes the hierarchical allreduce starts
-#: at 1 MiB instead: the alpha-beta model fitted to this machine
-#: (docs/performance.md; a network cannot be measured here) has MPICH's own
-#: algorithms faster below that on 64 nodes of 8 ranks.
+#: only) from 48 KiB, most often from 32 KiB; all_gather (one node only)
+#: from 32 KiB up to its ceiling (:data:`CEILINGS`). Across nodes the
+#: hierarchical allreduce starts at 1 MiB instead: the alpha-beta model
+#: fitted to this machine (docs/performance.md; a network cannot be measured
+#: here) has MPICH's own algorithms faster below that on 64 nodes of 8 ranks.
 THRESHOLDS = {
     "allreduce": 16 << 10,
     "allreduce_hierarchical": 1 << 20,
@@ -111,7 +112,7 @@ _CALL = 24  # two words, by round parity: the call (:func:`_signature`) starting
 _FLAG_WORDS = 32
 _PAGE = 4096  # rounds start on page boundaries of the window
 
-#: Bytes of the window over which small rounds rotate (:meth:`NodeEngine._claim`).
+#: Bytes of the window over which small rounds rotate (:func:`_place`).
 #: Measured with 2 ranks (docs/performance.md): 2 MiB made allreduce and
 #: reduce_scatter 3-26 % faster at 64-256 KiB; 4 MiB also slowed 1 MiB calls
 #: by 3-9 % in quiet periods (more lines than one core's 1 MiB L2 holds).

@@ -82,7 +82,7 @@ OUTPUT_DRAIN_SECONDS = 0.25
 _MPICH_SEGMENT_PREFIX = "/dev/shm/mpich_shm_"  # MPICH's node-local segments of a job
 
 
-def unlink_mpich_segments() -> None:
+def _unlink_mpich_segments() -> None:
     """Remove the names of the MPICH shared-memory segments this process maps.
 
     MPICH removes them in ``MPI_Finalize``; after ``MPI_Abort`` nobody does,
@@ -112,12 +112,12 @@ def abort_comm(comm, errorcode: int) -> None:
     """Flush this process's output, give the launcher time to forward it, ``comm.Abort``.
 
     The names of MPICH's shared-memory segments on this node are removed
-    first (:func:`unlink_mpich_segments`). Never returns (``os._exit`` if a
+    first (:func:`_unlink_mpich_segments`). Never returns (``os._exit`` if a
     non-conforming MPI comes back).
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    unlink_mpich_segments()
+    _unlink_mpich_segments()
     time.sleep(OUTPUT_DRAIN_SECONDS)
     comm.Abort(errorcode)
     os._exit(errorcode)

@@ -310,9 +310,9 @@ class FerrompiPlugin:
             os._exit(1)
         if size > 1:
             time.sleep(ABORT_DELAY_SECONDS)  # the other ranks' watchdogs report too
-        from ferrompi.excepthook import unlink_mpich_segments
+        from ferrompi.excepthook import _unlink_mpich_segments
 
-        unlink_mpich_segments()  # MPI_Abort leaves MPICH's node segments in /dev/shm
+        _unlink_mpich_segments()  # MPI_Abort leaves MPICH's node segments in /dev/shm
         mpi.COMM_WORLD.Abort(1)
 
     # -- hooks ----------------------------------------------------------------
