@@ -388,8 +388,6 @@ class NodeEngine:
         dtype = x.dtype
         xb = x.reshape(-1).view(np.uint8)
         ob = out.reshape(-1).view(np.uint8)
-        item = dtype.itemsize
-        step = max(item, self.slot // item * item)
         n = xb.size
         me, windows = self.rank, self.windows
         signature = _signature(0, x, mpi_op)
@@ -405,6 +403,8 @@ class NodeEngine:
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
             return
+        item = dtype.itemsize
+        step = max(item, self.slot // item * item)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             t, base = self._claim(deadline, probe, signature, hi - lo)
@@ -427,12 +427,7 @@ class NodeEngine:
                     else windows[j][base + a - lo : base + b - lo].view(dtype)
                     for j in range(self.size)
                 ]
-                if len(sources) == 1:
-                    dst[...] = sources[0]
-                else:
-                    ufunc(sources[0], sources[1], out=dst)
-                    for src in sources[2:]:
-                        ufunc(dst, src, out=dst)
+                _reduce_into(ufunc, sources, dst)
                 if self.rail is not None:
                     self._rail_allreduce(dst, mpi_op, deadline)
             self._post(_REDUCED, t + 1)

@@ -197,9 +197,7 @@ def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int
             "side, so this backend is unusable. End the job with fm.abort()"
         )
         state.rec[state.slot + _status.REJECTED] = seq  # the peers' waits raise
-        state.broken = f"this backend is unusable: {message}"
-        state.end(_status.FAILED)
-        raise InvalidArgument(message)
+        raise rejection_error(state, PeerRejected(message, InvalidArgument))
     state.end(_status.DONE)
 
 

@@ -69,6 +69,12 @@ def reference(op: fm.ReduceOp, xs: list[np.ndarray]) -> np.ndarray:
     return acc
 
 
+def engine_rounds(b: fm.MPIBackend) -> int:
+    """Rounds the backend's node engine has run (0 before it exists)."""
+    engine = b._state.shm
+    return engine.round if engine else 0
+
+
 def identical_everywhere(comm, a: np.ndarray) -> bool:
     return len(set(comm.allgather(a.tobytes()))) == 1
 
@@ -140,23 +146,20 @@ def test_default_thresholds_route_to_the_engine():
     ran = {}
     for kib in (12, 16, 32, 48):
         n = kib * 128  # int64 elements in kib KiB
-        engine = b._state.shm
-        rounds = engine.round if engine else 0
+        rounds = engine_rounds(b)
         y = rank_data(r, (n,), np.int64, seed=kib + 1)
         mpi = np.empty_like(y)
         b.comm.Allreduce(y, mpi, MPI.SUM)
         np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
-        engine = b._state.shm
-        ran["allreduce", kib] = bool(engine) and engine.round > rounds
-        rounds = engine.round if engine else 0
+        ran["allreduce", kib] = engine_rounds(b) > rounds
+        rounds = engine_rounds(b)
         x = rank_data(r, (p * -(-n // p),), np.int64, seed=kib)  # at least kib KiB, p blocks
         if kib == 32:
             x = x[: p * (n // p)]  # at most 32 KiB
         mpi = np.empty(x.size // p, np.int64)
         b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
         np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
-        engine = b._state.shm
-        ran["reduce_scatter", kib] = bool(engine) and engine.round > rounds
+        ran["reduce_scatter", kib] = engine_rounds(b) > rounds
     assert ran == {
         ("allreduce", 12): False,
         ("reduce_scatter", 12): False,
@@ -179,11 +182,9 @@ def test_default_all_gather_window():
         x = rank_data(r, (nbytes // 8,), np.int64, seed=nbytes)
         mpi = np.empty((p * x.size,), np.int64)
         b.comm.Allgather(x, mpi)
-        engine = b._state.shm
-        rounds = engine.round if engine else 0
+        rounds = engine_rounds(b)
         np.testing.assert_array_equal(fm.all_gather(x, b), mpi)
-        engine = b._state.shm
-        ran.append(bool(engine) and engine.round > rounds)
+        ran.append(engine_rounds(b) > rounds)
     assert ran == [False, True, True, False]
 
 
