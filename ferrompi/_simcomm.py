@@ -127,6 +127,8 @@ def _parse(spec):
         layout = spec[1] if len(spec) == 3 else None
     else:
         array, layout = spec, None
+    if isinstance(array, (bytes, bytearray, memoryview)):
+        return np.frombuffer(array, np.uint8), layout  # raw bytes, as MPI sees them
     return np.asarray(array).reshape(-1), layout
 
 

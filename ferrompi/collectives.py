@@ -33,7 +33,9 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import itertools
+import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -951,11 +953,11 @@ def all_to_all_single_uneven(
         state.fail_before_start(opcode)
         raise
     row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
-    header = np.array(
-        [*send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char)], dtype=np.int64
+    header = _split_table(size)[0].pack(
+        *send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char)
     )
-    table = np.empty((size, 2 * size + 2), dtype=np.int64)
-    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
+    table = bytearray(len(header) * size)
+    seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
     try:
         req = state.comm.Iallgather([header, _INT64], [table, _INT64])
     except MPI.Exception as exc:
@@ -986,6 +988,19 @@ def all_to_all_single_uneven(
     return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout)
 
 
+@functools.lru_cache(maxsize=16)
+def _split_table(size: int) -> tuple[struct.Struct, struct.Struct]:
+    """The packings of one rank's row of the uneven all-to-all's split table, and of the table.
+
+    A row is ``2 * size + 2`` int64: the rank's send splits, its recv splits
+    (-1: take the peers'), its elements per row and its dtype's character
+    code. Packed and unpacked without numpy: 0.1 us each against 0.4-0.5 us
+    for small arrays.
+    """
+    width = 2 * size + 2
+    return struct.Struct(f"={width}q"), struct.Struct(f"={size * width}q")
+
+
 _VECTOR_CHECK_FROM = 16
 """Group size from which :func:`_uneven_check` first compares the tables with numpy.
 
@@ -994,37 +1009,41 @@ The pair-by-pair Python loop costs O(size^2): 1.6 us at 2 ranks, 210 us at
 """
 
 
-def _uneven_check(table: np.ndarray, size: int, rank: int) -> tuple[list[int], list[str]]:
+def _uneven_check(table: bytearray, size: int, rank: int) -> tuple[list[int], list[str]]:
     """The rows each peer sends to ``rank``, and every disagreement in the split tables.
 
-    ``table[r]`` holds rank ``r``'s send splits, its recv splits (-1: take
-    the peers'), its elements per row and its dtype's character code. The
-    problems are the same on every rank.
+    ``table`` holds every rank's row (:func:`_split_table`), in rank order.
+    The problems are the same on every rank.
     """
+    width = 2 * size + 2
     if size >= _VECTOR_CHECK_FROM:
-        sent_rows, expected_rows = table[:, :size], table[:, size : 2 * size]
-        kinds = table[:, 2 * size :]
+        rows = np.frombuffer(table, np.int64).reshape(size, width)
+        sent_rows, expected_rows, kinds = rows[:, :size], rows[:, size:-2], rows[:, -2:]
         agree = (expected_rows == sent_rows.T) | (expected_rows < 0)
         if agree.all() and (kinds == kinds[0]).all():
             return sent_rows[:, rank].tolist(), []
-    rows = table.tolist()
-    kinds = [r[2 * size :] for r in rows]  # [elements per row, dtype char]
-    if kinds.count(kinds[0]) != size:
+    flat = _split_table(size)[1].unpack(table)
+    elements, codes = flat[2 * size :: width], flat[2 * size + 1 :: width]
+    if elements.count(elements[0]) != size or codes.count(codes[0]) != size:
         each = ", ".join(
-            f"rank {r}: {n} elements of {np.dtype(chr(code))}" for r, (n, code) in enumerate(kinds)
+            f"rank {r}: {n} elements of {np.dtype(chr(code))}"
+            for r, (n, code) in enumerate(zip(elements, codes, strict=True))
         )
         return [], [f"ranks disagree on the row size or dtype (rows of {each})"]
     problems = []
-    for dst, expects in enumerate(rows):
-        for src, sends in enumerate(rows):
-            sent = sends[dst]
-            expected = expects[size + src]
+    for dst in range(size):
+        start = dst * width + size
+        expects = flat[start : start + size]  # dst's recv splits
+        sends = flat[dst::width]  # what each rank sends to dst
+        if expects == sends or expects.count(-1) == size:
+            continue
+        for src, (sent, expected) in enumerate(zip(sends, expects, strict=True)):
             if sent != expected and expected >= 0:
                 problems.append(
                     f"rank {src} sends {sent} rows to rank {dst}, which expects {expected} "
                     f"(its recv_splits[{src}])"
                 )
-    return [r[rank] for r in rows], problems
+    return list(flat[rank::width]), problems
 
 
 # ---------------------------------------------------------------------------

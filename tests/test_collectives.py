@@ -362,6 +362,36 @@ def test_uneven_row_shape_mismatch_raises_on_every_rank(multigroup):
     multigroup.run(_uneven_row_shape_mismatch)
 
 
+def _uneven_dtype_mismatch(b):
+    dtype = np.float32 if b.rank == 0 else np.float64
+    with pytest.raises(fm.InvalidArgument) as info:
+        fm.all_to_all_single_uneven(np.ones(b.world_size, dtype), [1] * b.world_size, None, b)
+    assert "rank 0: 1 elements of float32, rank 1: 1 elements of float64" in str(info.value)
+
+
+def test_uneven_dtype_mismatch_names_every_rank(multigroup):
+    multigroup.run(_uneven_dtype_mismatch)
+
+
+def _uneven_some_ranks_take_the_peers_splits(b):
+    """Ranks that pass recv_splits=None are never part of a disagreement."""
+    size, rank = b.world_size, b.rank
+    recv = None
+    if rank == size - 1:
+        recv = [1] * size
+        recv[0] = 3  # rank 0 sends 1
+    with pytest.raises(fm.InvalidArgument) as info:
+        fm.all_to_all_single_uneven(np.ones(size), [1] * size, recv, b)
+    message = str(info.value)
+    assert message.count("which expects") == 1, message
+    expected = f"rank 0 sends 1 rows to rank {size - 1}, which expects 3 (its recv_splits[0])"
+    assert expected in message
+
+
+def test_uneven_check_skips_ranks_without_recv_splits(multigroup):
+    multigroup.run(_uneven_some_ranks_take_the_peers_splits)
+
+
 @pytest.mark.parametrize("size", [16, 19])
 def test_uneven_large_groups_check_tables_with_numpy(size):
     """From 16 ranks the split tables are compared with numpy before the pair-by-pair loop."""
@@ -370,6 +400,8 @@ def test_uneven_large_groups_check_tables_with_numpy(size):
         fm.SimulatedBackend.run(size, _uneven, size, (2,), pass_recv)
     fm.SimulatedBackend.run(size, _uneven_disagreeing_recv_splits)
     fm.SimulatedBackend.run(size, _uneven_row_shape_mismatch)
+    fm.SimulatedBackend.run(size, _uneven_dtype_mismatch)
+    fm.SimulatedBackend.run(size, _uneven_some_ranks_take_the_peers_splits)
 
 
 def _uneven_local_errors(b):
