@@ -400,6 +400,7 @@ class NodeEngine:
             # every rank reduces the whole message, in rank order: the same bits
             # everywhere; its own part is read from its window, as out may be x
             _reduce_into(ufunc, [w[base : base + n].view(dtype) for w in windows], ob.view(dtype))
+            self.mine[_REDUCED] = t + 1  # for the timeout message; nobody waits for it
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
             return
@@ -472,6 +473,7 @@ class NodeEngine:
                 ],
                 ob[lo:hi].view(dtype),
             )
+            self.mine[_REDUCED] = t + 1  # for the timeout message; nobody waits for it
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
 
@@ -494,6 +496,7 @@ class NodeEngine:
             for j in range(p):
                 if j != me:
                     ob[j, lo:hi] = windows[j][base : base + hi - lo]
+            self.mine[_REDUCED] = t + 1  # nothing to reduce; keeps the counters comparable
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
 

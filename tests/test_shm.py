@@ -206,9 +206,12 @@ def test_across_nodes_the_engine_starts_at_the_hierarchical_threshold(monkeypatc
 
 def test_a_rank_that_never_arrives_times_out_in_the_engine(engine_everywhere):
     b = fresh_world()
-    fm.allreduce(np.ones(300), b)  # builds the engine on every rank
+    # one round each, on every rank: builds the engine
+    fm.allreduce(np.ones(100), b)  # one step (800 bytes in a 1 KiB slot)
+    fm.reduce_scatter(np.ones(10 * b.world_size), b)
+    fm.all_gather(np.ones(10), b)
     if b.rank == 0:
-        time.sleep(2.5)  # never calls the second allreduce; outlives the peers' timeout
+        time.sleep(2.5)  # never calls the next allreduce; outlives the peers' timeout
         return
     start = time.monotonic()
     with pytest.raises(fm.CollectiveTimeout) as info:
@@ -217,7 +220,8 @@ def test_a_rank_that_never_arrives_times_out_in_the_engine(engine_everywhere):
     text = str(info.value)
     assert info.value.missing == (0,)
     assert "rank 0 has not reached allreduce #" in text
-    assert "shared-memory rounds: node rank 0: published " in text
+    # rank 0 completed rounds 0-2 and nothing after them
+    assert "shared-memory rounds: node rank 0: published 3, reduced 3, consumed 3;" in text
     with pytest.raises(fm.DistributedError, match="unusable"):
         fm.allreduce(np.ones(300), b)
 
