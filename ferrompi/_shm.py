@@ -64,6 +64,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -138,13 +139,16 @@ if MPI is not None:
     }
 
 
-_OP_INDEX = {handle: i for i, handle in enumerate(_UFUNCS)}
+# (index in _UFUNCS, ufunc) by the op's handle: one lookup per call
+_REDUCTIONS = {handle: (i, ufunc) for i, (handle, ufunc) in enumerate(_UFUNCS.items())}
 _KINDS = ("allreduce", "reduce_scatter", "all_gather")
 
 
-def _signature(kind: int, x: np.ndarray, mpi_op=None) -> int:
-    """One int64 naming a call: its kind, bytes per rank, dtype and reduction."""
-    op = 255 if mpi_op is None else _OP_INDEX[mpi_op.handle]
+def _signature(kind: int, x: np.ndarray, op: int = 255) -> int:
+    """One int64 naming a call: its kind, bytes per rank, dtype and reduction.
+
+    ``op`` is the reduction's index in :data:`_REDUCTIONS` (255: none).
+    """
     return x.nbytes << 24 | kind << 16 | ord(x.dtype.char) << 8 | op
 
 
@@ -223,6 +227,14 @@ def _reduce_into(ufunc, sources: list[np.ndarray], dst: np.ndarray) -> None:
         ufunc(dst, src, out=dst)
 
 
+@functools.lru_cache(maxsize=256)
+def _ring(nbytes: int, slot: int, ring: int) -> tuple[int, int]:
+    """``(stride, places)``: a round's page-aligned bytes, and how many fit in ``ring`` bytes."""
+    align = min(_PAGE, slot)
+    stride = -(-nbytes // align) * align
+    return stride, min(2 * slot, ring) // stride
+
+
 def _place(t: int, nbytes: int, slot: int, last: tuple[int, int]) -> tuple[int, int, int]:
     """Where round ``t`` of ``nbytes`` bytes goes in a window of two ``slot``-byte halves.
 
@@ -242,9 +254,7 @@ def _place(t: int, nbytes: int, slot: int, last: tuple[int, int]) -> tuple[int, 
     ``t - 2`` is consumed everywhere, and until round ``t - 1`` is when its
     place overlaps that round's (after a call of another size).
     """
-    align = min(_PAGE, slot)
-    stride = -(-nbytes // align) * align
-    places = min(2 * slot, RING_BYTES) // stride
+    stride, places = _ring(nbytes, slot, RING_BYTES)
     start = t % places * stride if places > 2 else t % 2 * slot
     end = start + stride
     if t >= 1 and start < last[1] and last[0] < end:
@@ -287,6 +297,7 @@ class NodeEngine:
         self.mine = self.flags[self.rank]
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.flag_win.Lock_all(MPI.MODE_NOCHECK)
+        self.typed: dict[np.dtype, list[np.ndarray]] = {}  # the windows as arrays of a dtype
         self.round = 0  # rounds completed by this engine (the same on every rank)
         self.last_place = (0, 0)  # window bytes of this rank's latest round
         node.Barrier()  # counters zeroed before anyone reads them
@@ -312,6 +323,13 @@ class NodeEngine:
         if node.Get_size() < size:
             rail = comm.Split(node.Get_rank(), rank)
         return cls(node, rail, SLOT_BYTES)
+
+    def _windows_of(self, dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's whole window as a 1-D array of ``dtype`` (made once per dtype)."""
+        views = self.typed.get(dtype)
+        if views is None:
+            self.typed[dtype] = views = [w.view(dtype) for w in self.windows]
+        return views
 
     # -- waiting -------------------------------------------------------------
 
@@ -384,26 +402,28 @@ class NodeEngine:
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe) -> None:
         """``out`` = reduction of every rank's ``x`` (same shape, C-contiguous)."""
-        ufunc = _UFUNCS[mpi_op.handle]
+        index, ufunc = _REDUCTIONS[mpi_op.handle]
         dtype = x.dtype
-        xb = x.reshape(-1).view(np.uint8)
-        ob = out.reshape(-1).view(np.uint8)
-        n = xb.size
+        n = x.nbytes
         me, windows = self.rank, self.windows
-        signature = _signature(0, x, mpi_op)
+        signature = _signature(0, x, index)
         if self.rail is None and 0 < n <= self.slot and (self.size - 1) * n <= ONE_SHOT_BYTES:
             t, base = self._claim(deadline, probe, signature, n)
-            windows[me][base : base + n] = xb
+            lo = base // dtype.itemsize  # rounds start on page boundaries
+            parts = [w[lo : lo + x.size] for w in self._windows_of(dtype)]
+            parts[me][...] = x.reshape(-1)
             self._post(_READY, t + 1)
             self._wait(_READY, t + 1, deadline, probe)
             self._agree(signature, t)
             # every rank reduces the whole message, in rank order: the same bits
             # everywhere; its own part is read from its window, as out may be x
-            _reduce_into(ufunc, [w[base : base + n].view(dtype) for w in windows], ob.view(dtype))
+            _reduce_into(ufunc, parts, out.reshape(-1))
             self.mine[_REDUCED] = t + 1  # for the timeout message; nobody waits for it
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
             return
+        xb = x.reshape(-1).view(np.uint8)
+        ob = out.reshape(-1).view(np.uint8)
         item = dtype.itemsize
         step = max(item, self.slot // item * item)
         for lo in range(0, n, step):
@@ -443,35 +463,36 @@ class NodeEngine:
         self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe
     ) -> None:
         """``out`` = this rank's block of the reduction (single node; blocks along axis 0)."""
-        ufunc = _UFUNCS[mpi_op.handle]
+        index, ufunc = _REDUCTIONS[mpi_op.handle]
         dtype = x.dtype
-        p, me, windows = self.size, self.rank, self.windows
-        blocks = x.reshape(p, -1).view(np.uint8)  # block j: what rank j receives
-        ob = out.reshape(-1).view(np.uint8)
-        block = ob.size
+        p, me = self.size, self.rank
+        views = self._windows_of(dtype)
+        blocks = x.reshape(p, -1)  # block j: what rank j receives
+        o = out.reshape(-1)
+        block = o.size
         item = dtype.itemsize
-        step = max(item, self.slot // p // item * item)  # bytes of each block per round
-        signature = _signature(1, x, mpi_op)
+        step = max(1, self.slot // p // item)  # elements of each block per round
+        signature = _signature(1, x, index)
         for lo in range(0, block, step):
             hi = min(block, lo + step)
             m = hi - lo
-            t, base = self._claim(deadline, probe, signature, p * m)
-            mywin = windows[me]
+            t, base = self._claim(deadline, probe, signature, p * m * item)
+            b0 = base // item  # rounds start on page boundaries
+            mine = views[me]
             for j in range(p):
                 if j != me:
-                    mywin[base + j * m : base + (j + 1) * m] = blocks[j, lo:hi]
+                    mine[b0 + j * m : b0 + (j + 1) * m] = blocks[j, lo:hi]
             self._post(_READY, t + 1)
             self._wait(_READY, t + 1, deadline, probe)
             if lo == 0:
                 self._agree(signature, t)
-            own = blocks[me, lo:hi].view(dtype)
             _reduce_into(
                 ufunc,
                 [
-                    own if j == me else w[base + me * m : base + (me + 1) * m].view(dtype)
-                    for j, w in enumerate(windows)
+                    blocks[me, lo:hi] if j == me else v[b0 + me * m : b0 + (me + 1) * m]
+                    for j, v in enumerate(views)
                 ],
-                ob[lo:hi].view(dtype),
+                o[lo:hi],
             )
             self.mine[_REDUCED] = t + 1  # for the timeout message; nobody waits for it
             self._post(_CONSUMED, t + 1)
@@ -479,23 +500,28 @@ class NodeEngine:
 
     def all_gather(self, x: np.ndarray, out: np.ndarray, deadline: float, probe) -> None:
         """``out`` = every rank's ``x`` concatenated in rank order (single node)."""
-        p, me, windows = self.size, self.rank, self.windows
-        xb = x.reshape(-1).view(np.uint8)
-        ob = out.reshape(p, -1).view(np.uint8)
-        n = xb.size
+        p, me = self.size, self.rank
+        dtype = x.dtype
+        views = self._windows_of(dtype)
+        xf = x.reshape(-1)
+        o = out.reshape(p, -1)
+        n = xf.size
+        item = dtype.itemsize
+        step = max(1, self.slot // item)  # elements per round
         signature = _signature(2, x)
-        for lo in range(0, n, self.slot):
-            hi = min(n, lo + self.slot)
-            t, base = self._claim(deadline, probe, signature, hi - lo)
-            windows[me][base : base + hi - lo] = xb[lo:hi]
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            t, base = self._claim(deadline, probe, signature, (hi - lo) * item)
+            b0 = base // item  # rounds start on page boundaries
+            views[me][b0 : b0 + hi - lo] = xf[lo:hi]
             self._post(_READY, t + 1)
-            ob[me, lo:hi] = xb[lo:hi]
+            o[me, lo:hi] = xf[lo:hi]
             self._wait(_READY, t + 1, deadline, probe)
             if lo == 0:
                 self._agree(signature, t)
             for j in range(p):
                 if j != me:
-                    ob[j, lo:hi] = windows[j][base : base + hi - lo]
+                    o[j, lo:hi] = views[j][b0 : b0 + hi - lo]
             self.mine[_REDUCED] = t + 1  # nothing to reduce; keeps the counters comparable
             self._post(_CONSUMED, t + 1)
             self.round = t + 1
