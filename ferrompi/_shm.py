@@ -76,20 +76,20 @@ from .errors import InvalidArgument
 __all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "enabled"]
 
 #: Default message sizes (bytes per rank) from which the engine is used,
-#: measured on the 2-core development machine with 2 and 4 ranks against
+#: measured on the 2-core development machine with 2, 3 and 4 ranks against
 #: ferrompi's MPI path in the same job (docs/performance.md): allreduce
 #: (in one step up to :data:`ONE_SHOT_BYTES`) wins in every job from 16 KiB,
 #: where MPICH's own allreduce doubles its time; reduce_scatter (one node
-#: only) from 48 KiB, most often from 32 KiB; all_gather (one node only)
-#: from 32 KiB up to its ceiling (:data:`CEILINGS`). Across nodes the
+#: only) from 16 KiB; all_gather (one node only) from 8 KiB, where MPICH's
+#: doubles its time, up to its ceiling (:data:`CEILINGS`). Across nodes the
 #: hierarchical allreduce starts at 1 MiB instead: the alpha-beta model
 #: fitted to this machine (docs/performance.md; a network cannot be measured
 #: here) has MPICH's own algorithms faster below that on 64 nodes of 8 ranks.
 THRESHOLDS = {
     "allreduce": 16 << 10,
     "allreduce_hierarchical": 1 << 20,
-    "reduce_scatter": 48 << 10,
-    "all_gather": 32 << 10,
+    "reduce_scatter": 16 << 10,
+    "all_gather": 8 << 10,
 }
 
 #: Default message sizes (bytes per rank) above which an operation goes back
