@@ -365,6 +365,10 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
     with _INIT_LOCK:
         if _WORLD is None:
             _status.process_participant(create_board=True)
+            # Every process of the node is past MPI_Init (the board is collective),
+            # so each has mapped MPICH's node segment: its name can go now, and no
+            # way of ending the job (SIGTERM, SIGKILL) leaves it in /dev/shm.
+            excepthook._unlink_mpich_segments()
             _WORLD = MPIBackend(MPI.COMM_WORLD, timeout=timeout)
             launch.record(MPI.COMM_WORLD)  # logs how the job was launched (debug level)
         return _WORLD

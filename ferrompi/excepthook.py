@@ -85,12 +85,15 @@ _MPICH_SEGMENT_PREFIX = "/dev/shm/mpich_shm_"  # MPICH's node-local segments of 
 def _unlink_mpich_segments() -> None:
     """Remove the names of the MPICH shared-memory segments this process maps.
 
-    MPICH removes them in ``MPI_Finalize``; after ``MPI_Abort`` nobody does,
-    and every aborted job would leave 1-4 MiB per node in ``/dev/shm``
-    until the machine reboots (measured: 544 segments, 1.5 GB, after a day
-    of test runs). Mappings outlive the names, so the ranks still running
-    are not disturbed. Other files in ``/dev/shm`` are never touched, and
-    nothing is done where ``/proc`` is absent.
+    MPICH removes them in ``MPI_Finalize``; after ``MPI_Abort``, or when the
+    launcher or the batch system kills the ranks, nobody does, and every such
+    job would leave 1-4 MiB per node in ``/dev/shm`` until the machine
+    reboots (measured: 544 segments, 1.5 GB, after a day of test runs).
+    :func:`ferrompi.init` calls this once every process of the node has
+    mapped them, and the abort path again. Mappings outlive the names, so
+    running ranks are not disturbed, and MPICH's ``MPI_Finalize`` does not
+    mind the names being gone. Other files in ``/dev/shm`` are never
+    touched, and nothing is done where ``/proc`` is absent.
     """
     try:
         with open("/proc/self/maps") as lines:

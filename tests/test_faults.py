@@ -197,12 +197,65 @@ ABORTING_RANK = """
     "fail", ["fm.abort(3)", "raise RuntimeError('bad batch')"], ids=["fm.abort", "exception"]
 )
 def test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm(tmp_path, fail):
-    # MPICH removes its node segments in MPI_Finalize only; the abort path does it
+    # MPICH removes its node segments in MPI_Finalize only; ferrompi.init (and the
+    # abort path) does it
     proc, seconds = launch(tmp_path, ABORTING_RANK.format(fail=fail), 3, launcher=True)
     assert proc.returncode != 0 and seconds < 30, (proc.returncode, seconds, proc.stderr)
     reports = json_lines(proc.stdout)
     assert sorted(reports) == [0, 1, 2], proc.stdout
-    mapped = {path for r in reports.values() for path in r["mapped"]}
+    mapped = {path.removesuffix(" (deleted)") for r in reports.values() for path in r["mapped"]}
+    if "MPICH" in MPI.Get_library_version():
+        assert any(p.startswith("/dev/shm/mpich_shm_") for p in mapped), mapped
+    left = [path for path in mapped if os.path.exists(path)]
+    assert left == [], left
+
+
+KILLED_JOB = """
+    import json, time
+    import numpy as np
+    import ferrompi as fm
+
+    w = fm.init()
+    fm.allreduce(np.ones(1 << 20), w)  # the node engine's window too
+    with open("/proc/self/maps") as f:
+        mapped = sorted({l.split(None, 5)[5].strip() for l in f if "/dev/shm/" in l})
+    print(json.dumps({"rank": w.rank, "mapped": mapped}), flush=True)
+    time.sleep(600)  # until the launcher is told to end the job
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_a_job_killed_from_outside_leaves_no_mpich_segment(tmp_path, signal_name):
+    # scancel and launcher timeouts send SIGTERM, then SIGKILL: no rank gets to
+    # finalize or abort, so ferrompi.init removes the names as soon as it can
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(KILLED_JOB))
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "3", sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "FERROMPI_FLIGHT_DIR": str(tmp_path / "flight")},
+        cwd=tmp_path,
+        start_new_session=True,  # SIGKILL goes to the whole job, as a batch system's does
+    )
+    reports: dict[int, dict] = {}
+    lines = []
+    deadline = time.monotonic() + OUTER_TIMEOUT
+    while len(reports) < 3 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        reports.update(json_lines(line))
+    signal = getattr(__import__("signal"), signal_name)
+    if signal_name == "SIGKILL":
+        os.killpg(proc.pid, signal)
+    else:
+        proc.send_signal(signal)  # mpiexec forwards it to the ranks
+    proc.communicate(timeout=OUTER_TIMEOUT)
+    assert sorted(reports) == [0, 1, 2], "".join(lines)
+    mapped = {path.removesuffix(" (deleted)") for r in reports.values() for path in r["mapped"]}
     if "MPICH" in MPI.Get_library_version():
         assert any(p.startswith("/dev/shm/mpich_shm_") for p in mapped), mapped
     left = [path for path in mapped if os.path.exists(path)]
