@@ -975,8 +975,10 @@ def all_to_all_single_uneven(
         state.end(_status.FAILED)
         raise
     x = _separate(x, buf, out)
-    scounts = [c * row for c in send]
-    rcounts = [c * row for c in received]
+    if row == 1:
+        scounts, rcounts = send, received
+    else:
+        scounts, rcounts = [c * row for c in send], [c * row for c in received]
     sdispls = [0, *itertools.accumulate(scounts[:-1])]
     rdispls = [0, *itertools.accumulate(rcounts[:-1])]
     try:
