@@ -192,8 +192,8 @@ class CommState:
         if peer < 0:
             self.seq = seq = self.seq + 1
             slot = self.slot
-            rec[slot + 1] = seq
-            rec[slot + 2] = opcode
+            rec[slot + 2] = opcode  # before the number: a peer that reads the new
+            rec[slot + 1] = seq  # number must not pair it with the last operation
         else:
             seq = 0
         rec[_W_OP] = opcode

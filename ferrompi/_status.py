@@ -147,12 +147,13 @@ class Participant:
             slot = SLOT0 + SLOT_WORDS * (self._next_slot % NSLOTS)
             self._next_slot += 1
         rec = self.rec
-        rec[slot] = key
+        rec[slot] = 0  # a peer must not read the new key over an old communicator's words
         rec[slot + 1] = 0
         rec[slot + 2] = 0
         rec[slot + REJECTED] = 0
         rec[slot + WAIT_BYTES] = 0
         rec[slot + WAIT_SEQ] = 0
+        rec[slot] = key
         return key, slot
 
 
