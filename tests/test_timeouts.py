@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -208,3 +209,49 @@ def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
     tries = iter(range(100))
     assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert len(yields) == 99 - 16
+
+
+class _WriteLog:
+    """A record that logs the order of its word writes (a peer reads them concurrently)."""
+
+    def __init__(self, words: int) -> None:
+        self.words = [0] * words
+        self.writes: list[int] = []
+
+    def __getitem__(self, i):
+        return self.words[i]
+
+    def __setitem__(self, i, value) -> None:
+        self.words[i] = value
+        self.writes.append(i)
+
+
+def test_board_words_are_written_in_the_order_its_readers_rely_on():
+    # a peer that reads a slot's new key must not see the old communicator's
+    # words, and one that reads a collective's new number must see its new
+    # operation (arrivals() reads the number, then the operation)
+    from ferrompi import _progress, _status
+
+    board = _status.Board({0: np.zeros(_status.REC_WORDS, np.int64)})
+    participant = _status.Participant(board, 0, os.getpid())
+    log = participant.rec = _WriteLog(_status.REC_WORDS)
+    for _ in range(_status.NSLOTS + 1):  # the last one reuses a slot
+        log.writes.clear()
+        key, slot = participant.register((0, 1))
+        assert log.writes[-1] == slot and log.words[slot] == key
+        assert log.writes.index(slot) == 0  # the old key goes first
+
+    class Comm:
+        def Get_rank(self):  # noqa: N802
+            return 0
+
+        def Get_size(self):  # noqa: N802
+            return 2
+
+    state = _progress.CommState(Comm(), (0, 1), participant, 30.0)
+    log.writes.clear()
+    state.begin(_status.OPCODE["allreduce"])
+    number, operation = log.writes.index(state.slot + 1), log.writes.index(state.slot + 2)
+    assert operation < number
+    assert log.words[state.slot + 1] == 1
+    assert log.words[state.slot + 2] == _status.OPCODE["allreduce"]
