@@ -36,6 +36,7 @@ import math
 import numbers
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -152,6 +153,7 @@ class CommState:
         self.world_ranks = world_ranks
         self.participant = participant
         self.key, self.slot = participant.register(world_ranks)
+        weakref.finalize(self, participant.release, self.key, self.slot)
         self.rec = participant.rec
         self.seq = 0
         self.timeout = timeout

@@ -136,16 +136,31 @@ class Participant:
         self.flight = _flight.FlightRecorder()
         self._created: dict[tuple[int, ...], int] = {}
         self._next_slot = 0
+        self._free_slots: list[int] = []  # slots of communicators that are gone
+        self._released: list[tuple[int, int]] = []  # (key, slot) given back, not yet freed
         self._lock = threading.Lock()
 
     def register(self, world_ranks: tuple[int, ...]) -> tuple[int, int]:
-        """Return ``(key, slot)`` for a new communicator over ``world_ranks``."""
+        """Return ``(key, slot)`` for a new communicator over ``world_ranks``.
+
+        The slot is one that :meth:`release` gave back, else a new one; only
+        when all :data:`NSLOTS` belong to live communicators does the oldest
+        lose its slot (its waits then no longer show on the board).
+        """
         with self._lock:
+            while self._released:
+                gone, slot = self._released.pop()
+                if self.rec[slot] == gone:  # else the slot went to another communicator
+                    self.rec[slot] = 0
+                    self._free_slots.append(slot)
             index = self._created.get(world_ranks, 0)
             self._created[world_ranks] = index + 1
             key = hash((world_ranks, index)) & 0x7FFF_FFFF_FFFF_FFFF or 1
-            slot = SLOT0 + SLOT_WORDS * (self._next_slot % NSLOTS)
-            self._next_slot += 1
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = SLOT0 + SLOT_WORDS * (self._next_slot % NSLOTS)
+                self._next_slot += 1
         rec = self.rec
         rec[slot] = 0  # a peer must not read the new key over an old communicator's words
         rec[slot + 1] = 0
@@ -155,6 +170,14 @@ class Participant:
         rec[slot + WAIT_SEQ] = 0
         rec[slot] = key
         return key, slot
+
+    def release(self, key: int, slot: int) -> None:
+        """Give ``slot`` back: communicator ``key`` is gone; the next :meth:`register` frees it.
+
+        Called by a finalizer, so possibly by a garbage collection in any
+        thread, even inside :meth:`register`: it only appends to a list.
+        """
+        self._released.append((key, slot))
 
 
 _PROCESS_LOCK = threading.Lock()

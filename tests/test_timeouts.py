@@ -255,3 +255,32 @@ def test_board_words_are_written_in_the_order_its_readers_rely_on():
     assert operation < number
     assert log.words[state.slot + 1] == 1
     assert log.words[state.slot + 2] == _status.OPCODE["allreduce"]
+
+
+def test_board_slots_of_gone_communicators_are_reused_first():
+    # a program that keeps the world and makes and drops many groups must not
+    # lose the world's slot on the board (its timeouts name missing ranks by it)
+    import gc
+
+    from ferrompi import _progress, _status
+
+    class Comm:
+        def Get_rank(self):  # noqa: N802
+            return 0
+
+        def Get_size(self):  # noqa: N802
+            return 2
+
+    board = _status.Board({0: np.zeros(_status.REC_WORDS, np.int64)})
+    participant = _status.Participant(board, 0, os.getpid())
+    world = _progress.CommState(Comm(), (0, 1), participant, 30.0)
+    for _ in range(3 * _status.NSLOTS):
+        group = _progress.CommState(Comm(), (0, 1), participant, 30.0)
+        assert group.slot != world.slot
+        del group
+        gc.collect()
+    assert participant.rec[world.slot] == world.key
+    # with every slot held by a live communicator, the oldest gives its slot up
+    alive = [_progress.CommState(Comm(), (0, 1), participant, 30.0) for _ in range(_status.NSLOTS)]
+    assert participant.rec[world.slot] != world.key
+    assert len({s.slot for s in alive}) == _status.NSLOTS
