@@ -346,6 +346,17 @@ class NodeEngine:
         self.win.Sync()  # the round's data is visible before its counter
         self.mine[word] = value
 
+    def _end_round(self, t: int) -> None:
+        """Round ``t`` is done here: this rank no longer reads the windows' bytes of it.
+
+        Its "reduced" counter is set too (a plain store, nobody waits for it
+        here), so that every round leaves the three counters comparable in a
+        timeout message.
+        """
+        self.mine[_REDUCED] = t + 1
+        self._post(_CONSUMED, t + 1)
+        self.round = t + 1
+
     def _rail_allreduce(self, view: np.ndarray, mpi_op, deadline: float) -> None:
         req = self.rail.Iallreduce(MPI.IN_PLACE, view, mpi_op)
         if not _status.spin_until(req.Test, deadline):
@@ -395,9 +406,7 @@ class NodeEngine:
         calls = "; ".join(
             f"node rank {j}: {_describe_call(int(f[word]))}" for j, f in enumerate(self.flags)
         )
-        self._post(_REDUCED, t + 1)
-        self._post(_CONSUMED, t + 1)
-        self.round = t + 1
+        self._end_round(t)
         raise CallMismatch(f"the ranks' calls do not match ({calls})")
 
     def allreduce(self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe) -> None:
@@ -418,9 +427,7 @@ class NodeEngine:
             # every rank reduces the whole message, in rank order: the same bits
             # everywhere; its own part is read from its window, as out may be x
             _reduce_into(ufunc, parts, out.reshape(-1))
-            self.mine[_REDUCED] = t + 1  # for the timeout message; nobody waits for it
-            self._post(_CONSUMED, t + 1)
-            self.round = t + 1
+            self._end_round(t)
             return
         xb = x.reshape(-1).view(np.uint8)
         ob = out.reshape(-1).view(np.uint8)
@@ -456,8 +463,7 @@ class NodeEngine:
             for j in range(self.size):
                 a, b = parts[j], parts[j + 1]
                 ob[a:b] = windows[j][base + a - lo : base + b - lo]
-            self._post(_CONSUMED, t + 1)
-            self.round = t + 1
+            self._end_round(t)
 
     def reduce_scatter(
         self, x: np.ndarray, out: np.ndarray, mpi_op, deadline: float, probe
@@ -494,9 +500,7 @@ class NodeEngine:
                 ],
                 o[lo:hi],
             )
-            self.mine[_REDUCED] = t + 1  # for the timeout message; nobody waits for it
-            self._post(_CONSUMED, t + 1)
-            self.round = t + 1
+            self._end_round(t)
 
     def all_gather(self, x: np.ndarray, out: np.ndarray, deadline: float, probe) -> None:
         """``out`` = every rank's ``x`` concatenated in rank order (single node)."""
@@ -522,9 +526,7 @@ class NodeEngine:
             for j in range(p):
                 if j != me:
                     o[j, lo:hi] = views[j][b0 : b0 + hi - lo]
-            self.mine[_REDUCED] = t + 1  # nothing to reduce; keeps the counters comparable
-            self._post(_CONSUMED, t + 1)
-            self.round = t + 1
+            self._end_round(t)
 
     def free(self) -> None:
         """Release the windows and communicators (collective over the node)."""
