@@ -310,10 +310,9 @@ class FerrompiPlugin:
             os._exit(1)
         if size > 1:
             time.sleep(ABORT_DELAY_SECONDS)  # the other ranks' watchdogs report too
-        from ferrompi.excepthook import _unlink_mpich_segments
+        from ferrompi.excepthook import abort_comm
 
-        _unlink_mpich_segments()  # MPI_Abort leaves MPICH's node segments in /dev/shm
-        mpi.COMM_WORLD.Abort(1)
+        abort_comm(mpi.COMM_WORLD, 1)  # removes MPICH's node segments from /dev/shm first
 
     # -- hooks ----------------------------------------------------------------
 
