@@ -211,6 +211,24 @@ def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
     assert len(yields) == 99 - 16
 
 
+class _TwoRanks:
+    """Enough of a communicator for a CommState: rank 0 of 2."""
+
+    def Get_rank(self):  # noqa: N802
+        return 0
+
+    def Get_size(self):  # noqa: N802
+        return 2
+
+
+def _lone_participant():
+    """A participant on a board of its own (rank 0)."""
+    from ferrompi import _status
+
+    board = _status.Board({0: np.zeros(_status.REC_WORDS, np.int64)})
+    return _status.Participant(board, 0, os.getpid())
+
+
 class _WriteLog:
     """A record that logs the order of its word writes (a peer reads them concurrently)."""
 
@@ -232,8 +250,7 @@ def test_board_words_are_written_in_the_order_its_readers_rely_on():
     # operation (arrivals() reads the number, then the operation)
     from ferrompi import _progress, _status
 
-    board = _status.Board({0: np.zeros(_status.REC_WORDS, np.int64)})
-    participant = _status.Participant(board, 0, os.getpid())
+    participant = _lone_participant()
     log = participant.rec = _WriteLog(_status.REC_WORDS)
     for _ in range(_status.NSLOTS + 1):  # the last one reuses a slot
         log.writes.clear()
@@ -241,14 +258,7 @@ def test_board_words_are_written_in_the_order_its_readers_rely_on():
         assert log.writes[-1] == slot and log.words[slot] == key
         assert log.writes.index(slot) == 0  # the old key goes first
 
-    class Comm:
-        def Get_rank(self):  # noqa: N802
-            return 0
-
-        def Get_size(self):  # noqa: N802
-            return 2
-
-    state = _progress.CommState(Comm(), (0, 1), participant, 30.0)
+    state = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
     log.writes.clear()
     state.begin(_status.OPCODE["allreduce"])
     number, operation = log.writes.index(state.slot + 1), log.writes.index(state.slot + 2)
@@ -264,23 +274,17 @@ def test_board_slots_of_gone_communicators_are_reused_first():
 
     from ferrompi import _progress, _status
 
-    class Comm:
-        def Get_rank(self):  # noqa: N802
-            return 0
-
-        def Get_size(self):  # noqa: N802
-            return 2
-
-    board = _status.Board({0: np.zeros(_status.REC_WORDS, np.int64)})
-    participant = _status.Participant(board, 0, os.getpid())
-    world = _progress.CommState(Comm(), (0, 1), participant, 30.0)
+    participant = _lone_participant()
+    world = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
     for _ in range(3 * _status.NSLOTS):
-        group = _progress.CommState(Comm(), (0, 1), participant, 30.0)
+        group = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
         assert group.slot != world.slot
         del group
         gc.collect()
     assert participant.rec[world.slot] == world.key
     # with every slot held by a live communicator, the oldest gives its slot up
-    alive = [_progress.CommState(Comm(), (0, 1), participant, 30.0) for _ in range(_status.NSLOTS)]
+    alive = [
+        _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0) for _ in range(_status.NSLOTS)
+    ]
     assert participant.rec[world.slot] != world.key
     assert len({s.slot for s in alive}) == _status.NSLOTS
