@@ -153,9 +153,8 @@ def test_default_thresholds_route_to_the_engine():
         np.testing.assert_array_equal(fm.allreduce(y, b), mpi)
         ran["allreduce", kib] = engine_rounds(b) > rounds
         rounds = engine_rounds(b)
-        x = rank_data(r, (p * (n // p),), np.int64, seed=kib)  # p blocks, at most kib KiB
-        if kib == 16:
-            x = rank_data(r, (p * -(-n // p),), np.int64, seed=kib)  # at least 16 KiB
+        block = -(-n // p) if kib == 16 else n // p  # at least 16 KiB; else at most kib KiB
+        x = rank_data(r, (p * block,), np.int64, seed=kib)
         mpi = np.empty(x.size // p, np.int64)
         b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
         np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
