@@ -455,11 +455,20 @@ def calibrate(comm, call, block_s: float) -> int:
 
 
 def measure(comm, calls: dict, reps: int, block_s: float) -> dict[str, list[float]]:
-    """Interleaved samples (seconds per call, slowest rank) of every implementation."""
+    """Interleaved samples (seconds per call, slowest rank) of every implementation.
+
+    Each repetition runs every implementation once, starting one further
+    along the list each time, so that none always follows the same one:
+    the first calls after a block of gloo calls are slow (ferrompi's 1 KiB
+    sendrecv took 0.3-1.7 ms for its first calls after gloo's, 7-8 us later).
+    """
     counts = {name: calibrate(comm, call, block_s) for name, call in calls.items()}
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, call in calls.items():
+    names = list(calls)
+    for rep in range(reps):
+        first = rep % len(names)
+        for name in names[first:] + names[:first]:
+            call = calls[name]
             k = counts[name]
             comm.Barrier()
             t = time.perf_counter()
