@@ -112,6 +112,7 @@ _W_PEER, _W_STATE, _W_T_START, _W_T_END = (
     _status.T_START,
     _status.T_END,
 )
+_W_ENTERED = _status.ENTERED
 _ACTIVE, _DONE = _status.ACTIVE, _status.DONE
 _monotonic_ns = time.monotonic_ns
 
@@ -193,9 +194,7 @@ class CommState:
         rec = self.rec
         if peer < 0:
             self.seq = seq = self.seq + 1
-            slot = self.slot
-            rec[slot + 2] = opcode  # before the number: a peer that reads the new
-            rec[slot + 1] = seq  # number must not pair it with the last operation
+            rec[self.slot + _W_ENTERED] = seq << 8 | opcode
         else:
             seq = 0
         rec[_W_OP] = opcode

@@ -66,13 +66,15 @@ OPCODE = {name: code for code, name in enumerate(OPS)}
 PID, STATE, OP, KEY, SEQ, T_START, T_END, PEER = range(8)
 SLOT0 = 8
 NSLOTS = 32
-# Per communicator: key, collectives entered, opcode of the last one, the
-# number of the last collective this rank rejected locally (0: none), and the
-# bytes and number of the collective it has been waiting in for a while.
-SLOT_WORDS = 6
-REJECTED = 3
-WAIT_BYTES, WAIT_SEQ = 4, 5
+# Per communicator: its key; the number of collectives entered there and the
+# opcode of the last one, in one word (``number << 8 | opcode``: a peer can
+# never pair a new number with the previous operation); the number of the last
+# collective this rank rejected locally (0: none); and the bytes and number of
+# the collective it has been waiting in for a while.
+SLOT_WORDS = 5
+ENTERED, REJECTED, WAIT_BYTES, WAIT_SEQ = 1, 2, 3, 4
 REC_WORDS = SLOT0 + NSLOTS * SLOT_WORDS
+assert len(OPS) <= 0xFF
 
 # States.
 IDLE, ACTIVE, DONE, TIMED_OUT, FAILED = range(5)
@@ -88,11 +90,17 @@ class Board:
         Global (world) rank -> 1-D int64 array of ``REC_WORDS`` words.
     keepalive : object
         Whatever owns the memory (an MPI window), kept alive with the board.
+    fence : callable, optional
+        A memory barrier over the board (``MPI_Win_sync`` of its window): the
+        loads and stores before it take effect before those after it. x86
+        keeps stores in order and loads in order, Arm and POWER do not; a
+        board in one process needs none.
     """
 
-    def __init__(self, rows: dict[int, np.ndarray], keepalive: object = None) -> None:
+    def __init__(self, rows: dict[int, np.ndarray], keepalive: object = None, fence=None) -> None:
         self.rows = rows
         self._keepalive = keepalive
+        self.fence = _no_fence if fence is None else fence
 
     @classmethod
     def local(cls, n: int) -> Board:
@@ -106,6 +114,7 @@ class Board:
         world = MPI.COMM_WORLD
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
         win = MPI.Win.Allocate_shared(REC_WORDS * 8, 8, comm=node)
+        win.Lock_all(MPI.MODE_NOCHECK)  # the epoch in which Win.Sync may fence it
         mine = np.frombuffer(win.tomemory(), dtype=np.int64, count=REC_WORDS)
         mine[:] = 0
         world_ranks = np.empty(node.size, dtype=np.int64)
@@ -114,8 +123,13 @@ class Board:
         for i, world_rank in enumerate(world_ranks.tolist()):
             buf, _ = win.Shared_query(i)
             rows[world_rank] = np.frombuffer(buf, dtype=np.int64, count=REC_WORDS)
+        win.Sync()
         node.Barrier()  # every record is zeroed before anyone reads it
-        return cls(rows, (win, node))
+        return cls(rows, (win, node), win.Sync)
+
+
+def _no_fence() -> None:
+    """The fence of a board that only this process reads."""
 
 
 class Participant:
@@ -163,11 +177,11 @@ class Participant:
                 self._next_slot += 1
         rec = self.rec
         rec[slot] = 0  # a peer must not read the new key over an old communicator's words
-        rec[slot + 1] = 0
-        rec[slot + 2] = 0
+        rec[slot + ENTERED] = 0
         rec[slot + REJECTED] = 0
         rec[slot + WAIT_BYTES] = 0
         rec[slot + WAIT_SEQ] = 0
+        self.board.fence()
         rec[slot] = key
         return key, slot
 
@@ -328,13 +342,22 @@ def _describe_activity(row: np.ndarray, key: int, now_ns: int) -> str:
     return f"{_STATE_NAMES[state]} in {label} {since:.1f} s ago"
 
 
-def _peer_slots(participant: Participant, world_ranks: Sequence[int], key: int):
-    """``(group rank, record, slot of communicator key or None)`` of each peer on this node."""
-    rows = participant.board.rows
-    for local, global_rank in enumerate(world_ranks):
-        row = rows.get(global_rank)
-        if row is not None and global_rank != participant.world_rank:
-            yield local, row, _slot_of(row, key)
+def _peer_slots(
+    participant: Participant, world_ranks: Sequence[int], key: int
+) -> list[tuple[int, np.ndarray, int | None]]:
+    """``(group rank, record, slot of communicator key or None)`` of each peer on this node.
+
+    The slots' words read after this call are at least as new as their keys
+    (:meth:`Participant.register` writes a slot's key after its words).
+    """
+    board = participant.board
+    found = [
+        (local, row, _slot_of(row, key))
+        for local, row in ((local, board.rows.get(g)) for local, g in enumerate(world_ranks))
+        if row is not None and world_ranks[local] != participant.world_rank
+    ]
+    board.fence()
+    return found
 
 
 def rejected_by(
@@ -359,15 +382,27 @@ def sizes_apart(
     Returns ``(group rank, bytes)`` of every rank of this node that waits
     in the same collective with another size. Called by long waits only.
     """
-    rec = participant.row
-    rec[slot + WAIT_BYTES] = nbytes
-    rec[slot + WAIT_SEQ] = seq  # last: a reader that sees seq sees the bytes
-    return [
-        (local, int(row[other + WAIT_BYTES]))
+    # A sequence lock: the number is cleared while the bytes change, and a
+    # reader keeps bytes only if it read the same number before and after them.
+    rec, fence = participant.row, participant.board.fence
+    if rec[slot + WAIT_SEQ] != seq or rec[slot + WAIT_BYTES] != nbytes:
+        rec[slot + WAIT_SEQ] = 0
+        fence()
+        rec[slot + WAIT_BYTES] = nbytes
+        fence()
+        rec[slot + WAIT_SEQ] = seq
+    waiting = [
+        (local, row, other)
         for local, row, other in _peer_slots(participant, world_ranks, key)
-        if other is not None
-        and int(row[other + WAIT_SEQ]) == seq
-        and int(row[other + WAIT_BYTES]) != nbytes
+        if other is not None and int(row[other + WAIT_SEQ]) == seq
+    ]
+    fence()
+    sizes = [(local, row, other, int(row[other + WAIT_BYTES])) for local, row, other in waiting]
+    fence()
+    return [
+        (local, n)
+        for local, row, other, n in sizes
+        if n != nbytes and int(row[other + WAIT_SEQ]) == seq
     ]
 
 
@@ -382,11 +417,12 @@ def arrivals(
     """
     everyone, elsewhere = True, []
     for local, row, slot in _peer_slots(participant, world_ranks, key):
-        entered = 0 if slot is None else int(row[slot + 1])
+        word = 0 if slot is None else int(row[slot + ENTERED])
+        entered, last_op = word >> 8, word & 0xFF
         if entered < seq:
             everyone = False
-        elif entered == seq and int(row[slot + 2]) != opcode:
-            elsewhere.append((local, int(row[slot + 2])))
+        elif entered == seq and last_op != opcode:
+            elsewhere.append((local, last_op))
     return everyone, elsewhere
 
 
@@ -450,8 +486,9 @@ def describe_peers(
             parts.append(f"{label} {activity}")
             continue
         slot = _slot_of(row, key)
-        entered = 0 if slot is None else int(row[slot + 1])
-        last_op = 0 if slot is None else int(row[slot + 2])
+        board.fence()  # the slot's words are read after its key
+        word = 0 if slot is None else int(row[slot + ENTERED])
+        entered, last_op = word >> 8, word & 0xFF
         if entered < seq:
             missing.append(local)
             reached = (

@@ -246,25 +246,72 @@ class _WriteLog:
 
 def test_board_words_are_written_in_the_order_its_readers_rely_on():
     # a peer that reads a slot's new key must not see the old communicator's
-    # words, and one that reads a collective's new number must see its new
-    # operation (arrivals() reads the number, then the operation)
+    # words (the words, a fence, then the key: Arm and POWER reorder stores),
+    # and one that reads a collective's new number must see its new operation
+    # (one word holds both)
     from ferrompi import _progress, _status
 
     participant = _lone_participant()
     log = participant.rec = _WriteLog(_status.REC_WORDS)
+    participant.board.fence = lambda: log.writes.append("fence")
     for _ in range(_status.NSLOTS + 1):  # the last one reuses a slot
         log.writes.clear()
         key, slot = participant.register((0, 1))
-        assert log.writes[-1] == slot and log.words[slot] == key
+        assert log.writes[-2:] == ["fence", slot] and log.words[slot] == key
         assert log.writes.index(slot) == 0  # the old key goes first
 
     state = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
-    log.writes.clear()
-    state.begin(_status.OPCODE["allreduce"])
-    number, operation = log.writes.index(state.slot + 1), log.writes.index(state.slot + 2)
-    assert operation < number
-    assert log.words[state.slot + 1] == 1
-    assert log.words[state.slot + 2] == _status.OPCODE["allreduce"]
+    for seq in (1, 2):
+        log.writes.clear()
+        state.begin(_status.OPCODE["allreduce"])
+        assert state.slot + _status.ENTERED in log.writes
+        assert log.words[state.slot + _status.ENTERED] == seq << 8 | _status.OPCODE["allreduce"]
+
+
+def _board_of_two(fence=None):
+    """Participants of global ranks 0 and 1 on one board, and their slots of group (0, 1)."""
+    from ferrompi import _status
+
+    rows = {r: np.zeros(_status.REC_WORDS, np.int64) for r in (0, 1)}
+    board = _status.Board(rows, fence=fence)
+    me, peer = (_status.Participant(board, r, os.getpid()) for r in (0, 1))
+    (key, slot), (peer_key, peer_slot) = me.register((0, 1)), peer.register((0, 1))
+    assert key == peer_key
+    return me, peer, key, slot, peer_slot
+
+
+def test_sizes_apart_reports_a_peer_waiting_with_another_size():
+    from ferrompi import _status
+
+    me, peer, key, slot, peer_slot = _board_of_two()
+    assert _status.sizes_apart(peer, (0, 1), key, peer_slot, 5, 64) == []  # I am not waiting
+    assert _status.sizes_apart(me, (0, 1), key, slot, 5, 128) == [(1, 64)]
+    assert _status.sizes_apart(me, (0, 1), key, slot, 6, 128) == []  # it waits in #5, not #6
+    assert _status.sizes_apart(peer, (0, 1), key, peer_slot, 6, 128) == []
+
+
+def test_sizes_apart_does_not_pair_a_peers_number_with_its_next_wait():
+    # the peer waited in #5 with this rank's size, then moves on to a long wait
+    # in #9 with another size just after this rank read its number 5: the
+    # bytes read next are #9's, and must not be reported as #5's
+    from ferrompi import _status
+
+    moves = []
+    me, peer, key, slot, peer_slot = _board_of_two(lambda: moves and moves.pop()())
+    _status.sizes_apart(peer, (0, 1), key, peer_slot, 5, 64)
+    _status.sizes_apart(me, (0, 1), key, slot, 5, 64)  # published: later calls only read
+    fences = []
+    moves.append(lambda: fences.append("peer slot read"))
+    assert _status.sizes_apart(me, (0, 1), key, slot, 5, 64) == []
+    assert fences  # the hook ran: the reads are fenced
+
+    def move_on():
+        moves.clear()
+        _status.sizes_apart(peer, (0, 1), key, peer_slot, 9, 4096)
+
+    moves[:] = [move_on, lambda: None]  # run by the fence after the numbers are read
+    assert _status.sizes_apart(me, (0, 1), key, slot, 5, 64) == []
+    assert peer.row[peer_slot + _status.WAIT_SEQ] == 9  # the move did happen mid-read
 
 
 def test_board_slots_of_gone_communicators_are_reused_first():
