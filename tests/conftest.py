@@ -43,6 +43,21 @@ def pytest_configure(config):
 
         ferrompi.init()
         set_verdict_comm(MPI.COMM_WORLD.Dup())
+        _temp_root_per_rank(config, MPI.COMM_WORLD.rank)
+
+
+def _temp_root_per_rank(config, rank: int) -> None:
+    """Give each rank its own root for ``tmp_path`` directories.
+
+    Every rank is a pytest session; in one root their numbered directories'
+    clean-up races (``PytestWarning: (rm_rf) error removing .../garbage-*``).
+    pytest reads the root from ``PYTEST_DEBUG_TEMPROOT`` at the first
+    ``tmp_path``; an explicit ``--basetemp`` or temproot is left alone.
+    """
+    if config.option.basetemp is None and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-rank{rank}")
+        os.makedirs(root, exist_ok=True)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
 GROUP_FIXTURES = {"group": 1, "multigroup": 2}  # fixture name -> smallest group size
