@@ -128,9 +128,12 @@ def no_leftover_mpich_segments():
     30 of them (75 MB of memory) until the next reboot. Segments that a live
     process still maps (another job, this rank's own) are kept.
     """
-    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    from ferrompi.excepthook import _MPICH_SEGMENT_PREFIX
+
+    pattern = _MPICH_SEGMENT_PREFIX + "*"
+    before = set(glob.glob(pattern))
     yield
-    for path in sorted(set(glob.glob("/dev/shm/mpich_shm_*")) - before):
+    for path in sorted(set(glob.glob(pattern)) - before):
         if not _mapped_by_a_live_process(path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
