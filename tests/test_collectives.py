@@ -14,6 +14,7 @@ from support import rank_data
 
 import ferrompi as fm
 from ferrompi import ReduceOp
+from ferrompi.collectives import exchange_rows
 
 ALL_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdgFDG"]
 
@@ -331,6 +332,34 @@ def _uneven(b, seed, row_shape, pass_recv):
 def test_uneven_all_to_all(group, row_shape, pass_recv):
     for seed in range(3):
         group.run(_uneven, seed, row_shape, pass_recv)
+
+
+def _uneven_large_blocks(b, seed):
+    # blocks past SELF_COPY_BYTES: each rank copies its own block with numpy
+    # and MPI moves the others; with zero-row pairs and out= given
+    from ferrompi.collectives import SELF_COPY_BYTES
+
+    size, rank = b.world_size, b.rank
+    rows = SELF_COPY_BYTES // 24 + 1  # rows of 3 float64: past the limit at 1 row per unit
+    table = _split_table(size, seed) * rows
+    inputs = [rank_data(s, (int(table[s].sum()), 3), np.float64, seed=seed) for s in range(size)]
+    offsets = [np.concatenate([[0], np.cumsum(table[s])]) for s in range(size)]
+    expected = np.concatenate(
+        [inputs[s][offsets[s][rank] : offsets[s][rank + 1]] for s in range(size)]
+    )
+    out = np.full_like(expected, np.nan)
+    got = fm.all_to_all_single_uneven(inputs[rank], table[rank].tolist(), None, b, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, expected)
+    # the same exchange without the table check (DTensor's path)
+    np.testing.assert_array_equal(
+        exchange_rows(inputs[rank], table[rank], table[:, rank], b), expected
+    )
+
+
+def test_uneven_all_to_all_large_blocks(group):
+    for seed in range(4):
+        group.run(_uneven_large_blocks, seed)
 
 
 def _uneven_disagreeing_recv_splits(b):
