@@ -350,13 +350,13 @@ def _peer_slots(
     The slots' words read after this call are at least as new as their keys
     (:meth:`Participant.register` writes a slot's key after its words).
     """
-    board = participant.board
+    rows = participant.board.rows
     found = [
-        (local, row, _slot_of(row, key))
-        for local, row in ((local, board.rows.get(g)) for local, g in enumerate(world_ranks))
-        if row is not None and world_ranks[local] != participant.world_rank
+        (local, rows[g], _slot_of(rows[g], key))
+        for local, g in enumerate(world_ranks)
+        if g in rows and g != participant.world_rank
     ]
-    board.fence()
+    participant.board.fence()
     return found
 
 

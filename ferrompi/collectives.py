@@ -1008,14 +1008,14 @@ def _start_alltoallv(state, x, buf, dt, scounts, sdispls, rcounts, rdispls):
     """
     me = state.rank
     own = int(scounts[me])
-    if own * x.itemsize >= SELF_COPY_BYTES and type(x) is _ndarray and type(buf) is _ndarray:
+    copy_own = own * x.itemsize >= SELF_COPY_BYTES and type(x) is _ndarray and type(buf) is _ndarray
+    if copy_own:
         scounts, rcounts = list(scounts), list(rcounts)
         scounts[me] = rcounts[me] = 0
-        req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
+    req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
+    if copy_own:  # while MPI moves the other blocks
         start, at = int(sdispls[me]), int(rdispls[me])
         buf.reshape(-1)[at : at + own] = x.reshape(-1)[start : start + own]
-    else:
-        req = state.comm.Ialltoallv([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
     return req, (x, scounts, sdispls, rcounts, rdispls)
 
 
