@@ -292,18 +292,33 @@ def process_participant_if_any() -> Participant | None:
     return _PROCESS
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (running, or a zombie not yet reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process
         return True
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, does not).
+
+    A dead rank stays a zombie until its parent (``mpiexec``'s proxy) reaps
+    it, which may happen between the two looks below: the second one then
+    finds no process, which means the same.
+    """
+    if pid <= 0:
+        return True
+    if not _exists(pid):
+        return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError):
+        return _exists(pid)  # reaped since (or no /proc on this system)
     except OSError:
         return True
 

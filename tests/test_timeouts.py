@@ -335,3 +335,36 @@ def test_board_slots_of_gone_communicators_are_reused_first():
     ]
     assert participant.rec[world.slot] != world.key
     assert len({s.slot for s in alive}) == _status.NSLOTS
+
+
+def test_a_dead_rank_is_dead_whether_or_not_its_parent_has_reaped_it(monkeypatch):
+    # a rank that exits stays a zombie until mpiexec's proxy reaps it, which
+    # may happen between _pid_alive's two looks (os.kill, then /proc): the
+    # survivors' timeout must still say "has exited"
+    import subprocess
+    import sys
+
+    from ferrompi import _status
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert _status._pid_alive(child.pid)
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 10
+    while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not _status._pid_alive(child.pid)  # a zombie
+
+    real_kill = os.kill
+
+    def kill_then_reap(pid, sig):  # the proxy reaps it just after the first look
+        real_kill(pid, sig)
+        monkeypatch.setattr(os, "kill", real_kill)
+        os.waitpid(pid, 0)
+
+    monkeypatch.setattr(os, "kill", kill_then_reap)
+    assert not _status._pid_alive(child.pid)
+    assert os.kill is real_kill  # the reap did happen between the looks
+    child.returncode = -9  # reaped above: Popen must not wait for it again
