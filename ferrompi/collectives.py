@@ -476,19 +476,36 @@ def allreduce_coalesced(
             np.concatenate(parts, axis=None, out=fused)
         remaining = max(deadline - time.monotonic(), 1e-3)
         allreduce(fused, backend, op, out=fused, timeout=remaining)
+        if out is not None:
+            _unpack(fused, parts, ends, [targets[i] for i in members])
+            continue
         for i, x, end in zip(members, parts, ends, strict=True):
-            part = fused[end - x.size : end]
-            if out is not None:
-                target = results[i] = targets[i]
-                if type(target) is _ndarray and target.flags.c_contiguous:
-                    target.reshape(-1)[:] = part  # a view of the target: one copy, no checks
-                else:
-                    copy_into(target, part.reshape(x.shape))
-            elif first is None or not isinstance(x, _ndarray):
-                results[i] = part.reshape(x.shape)
+            part = fused[end - x.size : end].reshape(x.shape)
+            if first is None or not isinstance(x, _ndarray):
+                results[i] = part
             else:  # a host array fused with device arrays of its dtype: back to the host
-                results[i] = part.reshape(x.shape).get()
-    return results
+                results[i] = part.get()
+    return results if out is None else targets
+
+
+def _unpack(fused, parts: list, ends: list[int], targets: list) -> None:
+    """Copy the consecutive pieces of the 1-D array ``fused`` into ``targets``.
+
+    Piece ``k`` ends at element ``ends[k]`` and has ``parts[k]``'s shape. A
+    C-contiguous numpy target of a host ``fused`` takes its bytes through
+    memoryviews: one copy and no numpy call (0.4 against 0.65 us per 4 KiB
+    array here); the others (device arrays, strided views) go through
+    :func:`copy_into`.
+    """
+    whole = memoryview(fused).cast("B") if type(fused) is _ndarray else None
+    item = fused.itemsize
+    for x, end, target in zip(parts, ends, targets, strict=True):
+        if not x.size:
+            continue
+        if whole is not None and type(target) is _ndarray and target.flags.c_contiguous:
+            memoryview(target).cast("B")[:] = whole[(end - x.size) * item : end * item]
+        else:
+            copy_into(target, fused[end - x.size : end].reshape(x.shape))
 
 
 def _fuse_on_device(flats: list, first):

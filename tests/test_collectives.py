@@ -198,6 +198,13 @@ def _allreduce_coalesced_out(b):
     )
     np.testing.assert_allclose(means[0], np.full(3, (p - 1) / 2))
     np.testing.assert_allclose(means[1], np.full((1, 2), p - 1.0))
+    mixed = [np.full(2, r + 0.5), np.arange(3) * r, np.full((2, 1), r, np.float32)]
+    outs = [np.empty_like(x) for x in mixed]  # three dtypes: three fused buffers
+    got = fm.allreduce_coalesced(mixed, b, out=outs)
+    assert all(g is o for g, o in zip(got, outs, strict=True))
+    np.testing.assert_array_equal(outs[0], np.full(2, p * p / 2))
+    np.testing.assert_array_equal(outs[1], np.arange(3) * (p * (p - 1) // 2))
+    np.testing.assert_array_equal(outs[2], np.full((2, 1), p * (p - 1) / 2, np.float32))
     with pytest.raises(fm.InvalidArgument, match="one per input"):
         fm.allreduce_coalesced([np.ones(2), np.ones(3)], b, out=[np.ones(2)])
     with pytest.raises(fm.InvalidArgument, match=r"shape \(2,\).*expected shape \(3,\)"):
