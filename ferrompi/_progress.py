@@ -5,9 +5,10 @@ here. The wait loop calls ``Request.Test`` (which drives MPI's progress
 engine, as a blocking ``Wait`` would): first up to 64 times in a bare loop
 (``_status.quick_tests``; a small message completes there), then in a loop
 that also watches the clock. After 512 tests it calls ``sched_yield`` at one
-test in 1024, and when the node runs more ranks than there are cores, after
-16 tests at every test, so that a peer that needs the core gets it
-(``_status.yield_after``, ``_status.yield_every``); it reads the clock once
+test in 1024, and when the node runs more ranks than there are cores, at
+every test after 32 (8 in a collective's wait), so that a peer that needs the
+core gets it (``_status.yield_after``, ``_status.collective_yield_after``,
+``_status.yield_every``); it reads the clock once
 every 256 tests to check the deadline. It never sleeps: MPI progresses only
 while some thread calls into it, so a sleeping rank would stall its peers.
 
@@ -266,14 +267,15 @@ class PeerRejected(Exception):
         self.error = error
 
 
-def _quick_test(test, status) -> bool:
+def _quick_test(test, status, collective: bool) -> bool:
     """Call ``test(status)`` up to ``len(_status.quick_tests)`` times; True once it is true.
 
     Waits try this bare loop before :func:`_spin`: a small message completes
     within it, without the cost of setting up the deadline and probe checks
-    (1-1.5 us per call, measured with 2 ranks).
+    (1-1.5 us per call, measured with 2 ranks). A ``collective``'s wait makes
+    ``len(_status.collective_quick_tests)`` tests instead.
     """
-    for _ in _status.quick_tests:
+    for _ in _status.collective_quick_tests if collective else _status.quick_tests:
         if test(status):
             return True
     return False
@@ -282,11 +284,14 @@ def _quick_test(test, status) -> bool:
 def _spin(req, status, deadline: float, probe=None) -> bool:
     """Test ``req`` until it completes (True) or the deadline passes (False).
 
-    ``probe``, if given, is ``(state, seq, op_name)`` of a collective: every
+    ``probe`` is ``(state, seq, op_name)`` of a collective (None: a
+    point-to-point wait, with its own yield policy): every
     :data:`PROBE_INTERVAL` seconds, once the wait has lasted that long, the
     status board is read for a peer that rejected it (:func:`check_peers`).
     """
-    check = None if probe is None else functools.partial(check_peers, *probe)
+    if probe is None:
+        return _status.spin_until(functools.partial(req.Test, status), deadline, None, False)
+    check = functools.partial(check_peers, *probe)
     return _status.spin_until(functools.partial(req.Test, status), deadline, check)
 
 
@@ -488,7 +493,7 @@ class PendingCollective:
                 req = reqs[0]
                 finished = (
                     req.Test()
-                    or _quick_test(req.Test, None)
+                    or _quick_test(req.Test, None, probe is not None)
                     or _wait_requests(reqs, None, time.monotonic() + seconds, probe)
                 )
             else:
@@ -607,7 +612,7 @@ def wait_step(state: CommState, opcode: int, seq: int, req, timeout: float | Non
     its end is recorded by the step that completes it. A step that finishes
     within the bare test loop builds no object (the common case).
     """
-    if req.Test() or _quick_test(req.Test, None):
+    if req.Test() or _quick_test(req.Test, None, True):
         return
     PendingCollective(state, opcode, seq, (req,), None, None, timeout).wait()
     rec = state.rec
@@ -640,7 +645,7 @@ def complete(
     truncated receive a :class:`SizeMismatch`.
     """
     try:
-        if not req.Test(status) and not _quick_test(req.Test, status):
+        if not req.Test(status) and not _quick_test(req.Test, status, peer < 0):
             seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
             probe = (state, seq, _status.OPS[opcode]) if peer < 0 < seq else None
             simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)

@@ -197,7 +197,7 @@ class Participant:
 _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
-#: Tests a ferrompi wait makes before it starts yielding its core
+#: Tests a point-to-point wait makes before it starts yielding its core
 #: (``sched_yield``): 16 when this node runs more ranks than this process
 #: has cores (a spinning rank would hold a core its peer needs), else 512
 #: (about 150 us): short waits spin, as MPI's own blocking calls do, and do not
@@ -206,6 +206,14 @@ _PROCESS: Participant | None = None
 #: ``FERROMPI_YIELD=1``/``0`` forces 16 or never. Set when
 #: :func:`ferrompi.init` creates the node's board.
 yield_after = 16
+
+#: :data:`yield_after` of a collective's waits: 4 when this node runs more
+#: ranks than cores, else the same as point-to-point waits. A collective
+#: waits for every rank of its group, and with two ranks per core one of
+#: them is most often on this rank's core, where it runs only once this
+#: rank yields; a point-to-point peer is on another core as often as not,
+#: and spinning catches its message sooner (docs/timeouts.md).
+collective_yield_after = 4
 
 #: After :data:`yield_after` tests, a wait yields at one test in this many:
 #: every test (1) when the node runs more ranks than cores, else one in 1024.
@@ -216,27 +224,32 @@ yield_after = 16
 #: calls another 5-9 % faster than one in 64 (docs/timeouts.md). A power of two.
 yield_every = 1
 
-#: The tests a wait makes in a bare loop before its deadline-checking loop
-#: (:func:`ferrompi._progress.complete`): up to 64 (10-20 us, in which a small
-#: message completes), never more than :data:`yield_after`.
+#: The tests a point-to-point wait makes in a bare loop before its
+#: deadline-checking loop (:func:`ferrompi._progress.complete`): up to 64
+#: (10-20 us, in which a small message completes), never more than
+#: :data:`yield_after`.
 quick_tests = range(16)
+
+#: The same for a collective's waits, never more than :data:`collective_yield_after`.
+collective_quick_tests = range(4)
 
 #: A wait that has lasted this long starts calling its probe, every as long again.
 PROBE_INTERVAL = 0.01
 
 
-def spin_until(done, deadline: float, probe=None) -> bool:
+def spin_until(done, deadline: float, probe=None, collective: bool = True) -> bool:
     """Call ``done()`` until it returns true (True), or until ``deadline`` passes (False).
 
     The wait loop of every ferrompi wait (MPI requests, the node engine's
     counters): it spins, calling ``sched_yield`` once every
-    :data:`yield_every` tries once it has made :data:`yield_after` of them,
-    and reads the clock (``time.monotonic``) every 256 tries. ``probe()``, if
-    given, is called every :data:`PROBE_INTERVAL` seconds once the wait has
-    lasted that long; it raises to end the wait.
+    :data:`yield_every` tries once it has made :data:`collective_yield_after`
+    of them (:data:`yield_after` unless ``collective``), and reads the clock
+    (``time.monotonic``) every 256 tries. ``probe()``, if given, is called
+    every :data:`PROBE_INTERVAL` seconds once the wait has lasted that long;
+    it raises to end the wait.
     """
     monotonic = time.monotonic
-    patience = yield_after
+    patience = collective_yield_after if collective else yield_after
     mask = yield_every - 1
     spins = 0
     next_probe = 0.0
@@ -255,16 +268,16 @@ def spin_until(done, deadline: float, probe=None) -> bool:
     return True
 
 
-def _yield_policy(node_ranks: int) -> tuple[int, int]:
-    """``(yield_after, yield_every)`` for a node running ``node_ranks`` ranks."""
+def _yield_policy(node_ranks: int) -> tuple[int, int, int]:
+    """``(yield_after, collective_yield_after, yield_every)`` for a node of ``node_ranks`` ranks."""
     forced = os.environ.get("FERROMPI_YIELD", "").strip()
     if forced in ("0", "1"):
-        return (16, 1) if forced == "1" else (1 << 62, 1)
+        return (16, 4, 1) if forced == "1" else (1 << 62, 1 << 62, 1)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return (16, 1) if node_ranks > cores else (512, 1024)
+    return (16, 4, 1) if node_ranks > cores else (512, 512, 1024)
 
 
 def process_participant(create_board: bool = False) -> Participant:
@@ -274,13 +287,16 @@ def process_participant(create_board: bool = False) -> Participant:
     :func:`ferrompi.init`) the record is placed on the node's shared board.
     Before that, the process writes into a private record no peer can read.
     """
-    global _PROCESS, yield_after, yield_every, quick_tests
+    global _PROCESS, yield_after, collective_yield_after, yield_every
+    global quick_tests, collective_quick_tests
     with _PROCESS_LOCK:
         shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
         if create_board and not shared and MPI.COMM_WORLD.size > 1:
             _PROCESS = Participant(Board.for_mpi_world(), MPI.COMM_WORLD.rank, os.getpid())
-            yield_after, yield_every = _yield_policy(len(_PROCESS.board.rows))
+            policy = _yield_policy(len(_PROCESS.board.rows))
+            yield_after, collective_yield_after, yield_every = policy
             quick_tests = range(min(64, yield_after))
+            collective_quick_tests = range(min(64, collective_yield_after))
         elif _PROCESS is None:
             rank = MPI.COMM_WORLD.rank
             _PROCESS = Participant(Board({rank: np.zeros(REC_WORDS, np.int64)}), rank, os.getpid())

@@ -176,10 +176,11 @@ def test_invalid_environment_timeout_fails_at_first_use_not_import():
 @pytest.mark.parametrize(
     ("forced", "node_ranks", "expected"),
     [
-        ("", 1, (512, 1024)),  # fewer ranks than cores: spin, then yield now and then
-        ("", 10_000, (16, 1)),  # more ranks than cores: yield soon, at every test
-        ("1", 1, (16, 1)),
-        ("0", 10_000, (1 << 62, 1)),  # never
+        ("", 1, (512, 512, 1024)),  # fewer ranks than cores: spin, then yield now and then
+        # more ranks than cores: yield soon, at every test; sooner in collectives
+        ("", 10_000, (16, 4, 1)),
+        ("1", 1, (16, 4, 1)),
+        ("0", 10_000, (1 << 62, 1 << 62, 1)),  # never
     ],
 )
 def test_yield_policy(monkeypatch, forced, node_ranks, expected):
@@ -195,6 +196,7 @@ def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
     yields = []
     monkeypatch.setattr(_status.os, "sched_yield", lambda: yields.append(1))
     monkeypatch.setattr(_status, "yield_after", 512)
+    monkeypatch.setattr(_status, "collective_yield_after", 512)
     monkeypatch.setattr(_status, "yield_every", 64)
     tries = iter(range(2000))
     assert _status.spin_until(lambda: next(tries) == 1999, time.monotonic() + 60)
@@ -205,10 +207,14 @@ def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
     tries = iter(range(100))
     assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert not yields  # 99 failed tests, fewer than yield_after
-    monkeypatch.setattr(_status, "yield_after", 16)
+    monkeypatch.setattr(_status, "collective_yield_after", 16)
     tries = iter(range(100))
     assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert len(yields) == 99 - 16
+    yields.clear()
+    tries = iter(range(100))  # a point-to-point wait: yield_after (512) applies
+    assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60, None, False)
+    assert not yields
 
 
 class _TwoRanks:
