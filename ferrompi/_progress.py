@@ -289,10 +289,10 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
     :data:`PROBE_INTERVAL` seconds, once the wait has lasted that long, the
     status board is read for a peer that rejected it (:func:`check_peers`).
     """
-    if probe is None:
-        return _status.spin_until(functools.partial(req.Test, status), deadline, None, False)
-    check = functools.partial(check_peers, *probe)
-    return _status.spin_until(functools.partial(req.Test, status), deadline, check)
+    check = None if probe is None else functools.partial(check_peers, *probe)
+    return _status.spin_until(
+        functools.partial(req.Test, status), deadline, check, probe is not None
+    )
 
 
 def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:

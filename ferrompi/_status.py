@@ -349,6 +349,12 @@ def dead_peers(participant: Participant) -> list[tuple[int, int]]:
     return dead
 
 
+def _entered(row: np.ndarray, slot: int | None) -> tuple[int, int]:
+    """``(number, opcode)`` of the last collective a record entered in ``slot`` (0, 0 if none)."""
+    word = 0 if slot is None else int(row[slot + ENTERED])
+    return word >> 8, word & 0xFF
+
+
 def _slot_of(row: np.ndarray, key: int) -> int | None:
     keys = row[SLOT0::SLOT_WORDS]
     hits = np.flatnonzero(keys == key)
@@ -448,8 +454,7 @@ def arrivals(
     """
     everyone, elsewhere = True, []
     for local, row, slot in _peer_slots(participant, world_ranks, key):
-        word = 0 if slot is None else int(row[slot + ENTERED])
-        entered, last_op = word >> 8, word & 0xFF
+        entered, last_op = _entered(row, slot)
         if entered < seq:
             everyone = False
         elif entered == seq and last_op != opcode:
@@ -518,8 +523,7 @@ def describe_peers(
             continue
         slot = _slot_of(row, key)
         board.fence()  # the slot's words are read after its key
-        word = 0 if slot is None else int(row[slot + ENTERED])
-        entered, last_op = word >> 8, word & 0xFF
+        entered, last_op = _entered(row, slot)
         if entered < seq:
             missing.append(local)
             reached = (
