@@ -3,8 +3,9 @@
 #
 #   bash scripts/gpu-check.sh
 #
-# 1. installs cupy for CUDA 12 (pip install cupy-cuda12x; CUPY_PACKAGE=cupy-cuda13x
-#    or cupy-cuda11x for another CUDA major version);
+# 1. installs cupy for CUDA 12 unless PYTHON already imports cupy (pip install
+#    cupy-cuda12x; CUPY_PACKAGE=cupy-cuda13x or cupy-cuda11x for another CUDA
+#    major version);
 # 2. prints what the MPI library says about CUDA (fm.cuda_aware() and why);
 # 3. runs tests/test_gpu.py: plain pytest (simulated ranks, always staged), then
 #    under mpiexec -n 2 with FERROMPI_CUDA_AWARE=0 (staged through pinned host
@@ -39,7 +40,9 @@ stage() {
 }
 
 nvidia-smi -L || echo "(nvidia-smi failed: the GPU tests will skip, saying why)"
-stage "install cupy" "$PYTHON" -m pip install --quiet "${CUPY_PACKAGE:-cupy-cuda12x}"
+if ! "$PYTHON" -c 'import cupy' 2>/dev/null; then
+    stage "install cupy" "$PYTHON" -m pip install --quiet "${CUPY_PACKAGE:-cupy-cuda12x}"
+fi
 stage "what MPI says" "$PYTHON" -c '
 import cupy, ferrompi as fm
 print("cupy", cupy.__version__, "-", cupy.cuda.runtime.getDeviceCount(), "CUDA device(s)")
