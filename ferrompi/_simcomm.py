@@ -276,6 +276,8 @@ class SimComm:
             if r != root:
                 if buf.size != data.size:
                     raise MPI.Exception(MPI.ERR_TRUNCATE)
+                if buf.dtype != data.dtype:  # as _sources: refused, neither cast nor reinterpreted
+                    raise ValueError(f"root {root} passed {data.dtype}, rank {r} {buf.dtype}")
                 buf[...] = data
         return None
 

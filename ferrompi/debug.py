@@ -3,8 +3,10 @@
 MPI matches collectives by order alone. A rank that calls ``allreduce`` while
 its peers call ``broadcast`` (or ``barrier``), or that passes an array of
 another shape, dtype, reduction or root, is not an error MPI reports: MPICH
-may hang, return partial data, fail with "Message truncated", or even
-complete an allreduce against a barrier silently.
+may hang, return partial data, fail with "Message truncated", complete an
+allreduce against a barrier silently, or abort the whole job on an internal
+assertion (MPICH 5.0.2: ``all_gather`` or ``allreduce`` of float64 on one
+rank and complex128 on another).
 
 With debug mode on (``FERROMPI_DEBUG=1`` in the environment of every rank,
 or :func:`set_debug` called on every rank), each collective first

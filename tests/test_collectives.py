@@ -553,6 +553,10 @@ def test_simulated_ranks_disagreeing_on_buffers_get_a_ferrompi_error():
     for fn, text in [
         (lambda b: fm.allreduce(np.ones(3 if b.rank else 2), b), "do not fit"),
         (lambda b: fm.allreduce(np.ones(2, np.float32 if b.rank else np.float64), b), "float32"),
+        (
+            lambda b: fm.broadcast(np.ones(2, np.int64 if b.rank else np.float64), b),
+            "root 0 passed float64, rank 1 int64",
+        ),
     ]:
         with pytest.raises(fm.CommunicationError, match=text):
             fm.SimulatedBackend.run(2, fn)
