@@ -115,6 +115,7 @@ _EXPORTS = {
     "distribute_tensor": ".dtensor",
     "install_excepthook": ".excepthook",
     "SubBackend": ".groups",
+    "destroy_process_group": ".groups",
     "new_group": ".groups",
     "LaunchInfo": ".launch",
     "launch_info": ".launch",
@@ -169,6 +170,7 @@ __all__ = [
     # groups, meshes, DTensor
     "SubBackend",
     "new_group",
+    "destroy_process_group",
     "DeviceMesh",
     "init_device_mesh",
     "Placement",

@@ -133,13 +133,16 @@ class CommState:
         "__weakref__",
         "broken",
         "comm",
+        "destroyed",
         "flight",
         "fusion",
         "key",
         "last",
+        "owned",
         "participant",
         "rank",
         "rec",
+        "release",
         "seq",
         "shm",
         "size",
@@ -155,7 +158,8 @@ class CommState:
         self.world_ranks = world_ranks
         self.participant = participant
         self.key, self.slot = participant.register(world_ranks)
-        weakref.finalize(self, participant.release, self.key, self.slot)
+        #: Gives the board slot back: when the state is collected, or when destroyed.
+        self.release = weakref.finalize(self, participant.release, self.key, self.slot)
         self.rec = participant.rec
         self.seq = 0
         self.timeout = timeout
@@ -164,6 +168,8 @@ class CommState:
         self.last: list | None = None
         self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
         self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
+        self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
+        self.destroyed = False  # by ferrompi.destroy_process_group
 
     def fusion_buffer(self, dtype, count: int):
         """A reused 1-D buffer of ``count`` elements of ``dtype`` (grown, never shrunk)."""

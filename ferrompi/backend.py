@@ -39,7 +39,7 @@ from . import (
 )
 from ._flight import dump_participant
 from ._mpi import MPI, require_mpi
-from ._progress import CommState, PendingCollective, timeout_seconds
+from ._progress import CommState, PendingCollective, mpi_error, timeout_seconds
 from ._simcomm import SimComm
 from .errors import InvalidArgument, InvalidWorldSize
 from .gpu import cuda_aware
@@ -122,7 +122,7 @@ class Backend:
         identity = (id(participant), _comm_identity(comm))
         with _STATES_LOCK:
             state = _STATES.get(identity)
-            if state is None or _freed(state.comm):
+            if state is None or state.destroyed or _freed(state.comm):
                 # MPI reuses a freed communicator's handle: a state kept alive
                 # (by a traceback, say) must not pass to the new communicator
                 state = CommState(comm, _world_ranks(comm), participant, seconds)
@@ -178,6 +178,10 @@ class Backend:
             For a negative color (other than ``MPI.UNDEFINED``) or non-integers.
         CollectiveTimeout
             If some rank of this group does not call ``split`` in time.
+        CommunicationError
+            If MPI cannot create the communicator, for example when the
+            process has none left ("Too many communicators"): release the
+            groups no longer needed with :func:`~ferrompi.destroy_process_group`.
         """
         undefined = MPI.UNDEFINED
         if color is None:
@@ -187,7 +191,10 @@ class Backend:
         if color < 0 and color != undefined:
             raise InvalidArgument(f"split: color must be >= 0 or None, got {color}")
         self.gather_arrival("split", timeout)
-        new = self.comm.Split(int(color), int(key))
+        try:
+            new = self.comm.Split(int(color), int(key))
+        except MPI.Exception as exc:  # e.g. MPI has no communicator left: destroy_process_group
+            raise mpi_error("split", exc) from None
         if new is None or (not isinstance(new, SimComm) and new == MPI.COMM_NULL):
             return None
         return wrap_comm(new, self)
@@ -210,11 +217,13 @@ def wrap_comm(comm, parent: Backend, timeout: float | None = None) -> Backend:
     """A backend over ``comm`` derived from ``parent``: same kind, participant and timeout."""
     simulated = isinstance(comm, SimComm) or isinstance(parent, SimulatedBackend)
     kind = SimulatedBackend if simulated else MPIBackend
-    return kind(
+    backend = kind(
         comm,
         timeout=parent._timeout if timeout is None else timeout,
         _participant=parent._participant,
     )
+    backend._state.owned = True  # destroy_process_group frees it
+    return backend
 
 
 class MPIBackend(Backend):
@@ -345,7 +354,8 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
     """Return the backend over ``MPI.COMM_WORLD``; collective on first call.
 
     Like ``torch.distributed.init_process_group``: call it once on every
-    rank. Later calls return the same object. It sets up the status board
+    rank. Later calls return the same object (a new one once
+    :func:`~ferrompi.destroy_process_group` has destroyed it). It sets up the status board
     that lets a timed-out collective say which ranks are missing, and
     records how the job was launched (:func:`~ferrompi.launch_info`), logged
     at debug level on the ``"ferrompi"`` logger.
@@ -363,7 +373,7 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
     global _WORLD
     require_mpi()
     with _INIT_LOCK:
-        if _WORLD is None:
+        if _WORLD is None or _WORLD._state.destroyed:
             _status.process_participant(create_board=True)
             # Every process of the node is past MPI_Init (the board is collective),
             # so each has mapped MPICH's node segment: its name can go now, and no
@@ -375,8 +385,8 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has been called in this process."""
-    return _WORLD is not None
+    """Whether :func:`init` has been called in this process (and its backend not destroyed)."""
+    return _WORLD is not None and not _WORLD._state.destroyed
 
 
 def abort(errorcode: int = 1, backend: Backend | None = None) -> None:

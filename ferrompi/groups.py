@@ -37,11 +37,17 @@ import numpy as np
 from . import _status
 from ._arrays import check_rank
 from ._mpi import MPI
-from ._progress import PendingCollective, timeout_seconds
+from ._progress import PendingCollective, mpi_error, timeout_seconds
 from .backend import Backend, wrap_comm
-from .errors import CollectiveTimeout, InvalidArgument
+from .errors import CollectiveTimeout, DistributedError, InvalidArgument
 
-__all__ = ["SubBackend", "new_group"]
+__all__ = ["SubBackend", "destroy_process_group", "new_group"]
+
+#: What operations on a destroyed group raise.
+DESTROYED = (
+    "this group was destroyed by fm.destroy_process_group; "
+    "make a new one (split, new_group, SubBackend) to communicate again"
+)
 
 Timeout = float | timedelta | None
 
@@ -83,6 +89,9 @@ class SubBackend(Backend):
         A member outside ``[0, parent.world_size)``.
     InvalidArgument
         Empty or repeated members, or this rank is not a member.
+    CommunicationError
+        At the first operation, if MPI cannot create the communicator (for
+        example, the process has none left: see :func:`destroy_process_group`).
 
     Notes
     -----
@@ -115,6 +124,7 @@ class SubBackend(Backend):
         self._participant = parent._participant
         self._timeout = timeout_seconds(timeout, parent._timeout)
         self._local_rank = self._members.index(parent.rank)
+        self._destroyed = False  # destroyed before its communicator was created
         self._inner: Backend | None = None if _comm is None else self._wrap(_comm)
 
     def _wrap(self, comm) -> Backend:
@@ -124,6 +134,8 @@ class SubBackend(Backend):
     def _state(self):
         inner = self._inner
         if inner is None:
+            if self._destroyed:
+                raise DistributedError(DESTROYED)
             inner = self._inner = self._wrap(self._create_comm())
         return inner._state
 
@@ -175,6 +187,8 @@ class SubBackend(Backend):
         sub = group.Incl(list(members))
         try:
             return parent.comm.Create_group(sub, tag)
+        except MPI.Exception as exc:  # e.g. no communicator left: destroy_process_group
+            raise mpi_error("SubBackend", exc) from None
         finally:
             sub.Free()
             group.Free()
@@ -253,6 +267,9 @@ def new_group(
         For ranks outside the parent, repeated or no ranks (before communicating).
     CollectiveTimeout
         If a parent rank does not call ``new_group`` in time.
+    CommunicationError
+        If MPI cannot create the communicator (for example, the process has
+        none left: see :func:`destroy_process_group`).
 
     Examples
     --------
@@ -266,9 +283,83 @@ def new_group(
     members = tuple(sorted(_members(backend, ranks)))
     backend.gather_arrival("new_group", timeout)
     member = backend.rank in members
-    comm = backend.comm.Split(
-        0 if member else MPI.UNDEFINED, members.index(backend.rank) if member else 0
-    )
+    try:
+        comm = backend.comm.Split(
+            0 if member else MPI.UNDEFINED, members.index(backend.rank) if member else 0
+        )
+    except MPI.Exception as exc:  # e.g. no communicator left: destroy_process_group
+        raise mpi_error("new_group", exc) from None
     if not member:
         return None
     return SubBackend(backend, members, timeout=timeout, _comm=comm)
+
+
+def destroy_process_group(group: Backend) -> None:
+    """Release ``group``: ``torch.distributed.destroy_process_group(group)``.
+
+    Call it on every rank of the group, once its operations are done. It
+    frees what ferrompi holds for the group: the shared-memory node engine
+    of its large collectives (``MPI_Win_free`` on its windows, which
+    synchronises the group's ranks on each node, and ``MPI_Comm_free`` on
+    its node communicators), and, when ferrompi created the group's
+    communicator (:meth:`~ferrompi.Backend.split`, :func:`new_group`,
+    :class:`SubBackend`, the dimensions of
+    :func:`~ferrompi.init_device_mesh`), that communicator
+    (``MPI_Comm_free``). A communicator passed in by the caller
+    (``MPI.COMM_WORLD`` under :func:`~ferrompi.init`, or ``Backend(comm)``)
+    stays the caller's. MPI has a fixed number of communicators per
+    process (2048 in MPICH): a program that makes groups as it goes must
+    destroy the ones it no longer needs.
+
+    Afterwards every operation on the group, through any backend object over
+    the same communicator, raises :class:`~ferrompi.DistributedError`; a
+    second destroy does nothing. Groups made from it stay usable.
+    :func:`~ferrompi.init` after the world backend was destroyed returns a
+    new one.
+
+    Parameters
+    ----------
+    group : Backend
+        The group to release.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``group`` is not a ferrompi backend.
+    CommunicationError
+        If MPI fails to free a window or communicator.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     pair = b.split(b.rank // 2)
+    ...     total = fm.allreduce(np.array([b.rank]), pair)
+    ...     fm.destroy_process_group(pair)
+    ...     try:
+    ...         fm.allreduce(total, pair)
+    ...     except fm.DistributedError as exc:
+    ...         return total, str(exc).split(";")[0]
+    >>> fm.SimulatedBackend.run(2, f)[1]
+    (array([1]), 'this group was destroyed by fm.destroy_process_group')
+    """
+    if not isinstance(group, Backend):
+        raise InvalidArgument(f"destroy_process_group: not a ferrompi backend: {group!r}")
+    if isinstance(group, SubBackend) and group._inner is None:
+        group._destroyed = True  # no communicator was created: nothing to free
+        return
+    state = group._state
+    if state.destroyed:
+        return
+    state.destroyed = True
+    state.broken = DESTROYED
+    engine, state.shm = state.shm, False
+    state.fusion.clear()
+    state.release()  # the status board's slot, for the next communicator
+    try:
+        if engine:
+            engine.free()
+        if state.owned:
+            state.comm.Free()
+    except MPI.Exception as exc:
+        raise mpi_error("destroy_process_group", exc) from None

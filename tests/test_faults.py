@@ -374,3 +374,39 @@ def test_flight_merge_of_an_empty_folder_fails_clearly(tmp_path):
     )
     assert proc.returncode == 2
     assert "no ferrompi-flight-*.json files" in proc.stderr
+
+
+GROUPS = """
+    import json
+    import numpy as np
+    import ferrompi as fm
+
+    w = fm.init()
+    big = np.ones(1 << 18)  # 2 MiB: each group runs it on its own node engine
+    for i in range(700):  # kept, they would hold 2800 communicators: MPICH has 2048
+        s = w.split(0)
+        assert fm.allreduce(big, s)[0] == w.world_size
+        fm.destroy_process_group(s)
+    fm.destroy_process_group(w)
+    w = fm.init()  # a new world backend
+    assert fm.allreduce(big, w)[0] == w.world_size
+    kept = []
+    try:
+        while True:
+            kept.append(w.split(0))
+    except fm.DistributedError as e:
+        out = {"rank": w.rank, "kept": len(kept), "error": type(e).__name__, "message": str(e)}
+        print(json.dumps(out), flush=True)
+"""
+
+
+def test_destroyed_groups_give_their_communicators_back_and_running_out_is_an_error(tmp_path):
+    proc, seconds = launch(tmp_path, GROUPS, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json_lines(proc.stdout)
+    assert sorted(reports) == [0, 1]
+    for report in reports.values():
+        assert report["error"] == "CommunicationError"
+        assert report["message"].startswith("split: MPI error")
+        assert "Too many communicators" in report["message"]
+        assert 1000 < report["kept"] < 2048  # all but the few ferrompi and MPI keep

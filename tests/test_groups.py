@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from support import rank_data
 
 import ferrompi as fm
@@ -118,3 +119,45 @@ def _member_never_arrives(b):
 
 def test_sub_backend_member_that_never_arrives(multigroup):
     multigroup.run(_member_never_arrives)
+
+
+def _destroy(b):
+    size, rank = b.world_size, b.rank
+    sub = b.split(0)
+    child = sub.split(rank % 2)  # made from sub before sub is destroyed
+    big = np.ones(1 << 16)  # 512 KiB: under MPI, sub's node engine
+    np.testing.assert_array_equal(fm.allreduce(big, sub), np.full(1 << 16, size))
+    fm.destroy_process_group(sub)
+    with pytest.raises(fm.DistributedError, match=r"destroyed by fm\.destroy_process_group"):
+        fm.allreduce(np.ones(1), sub)
+    with pytest.raises(fm.DistributedError, match="destroyed"):
+        sub.split(0)
+    fm.destroy_process_group(sub)  # a second time does nothing
+    same_parity = len(range(rank % 2, size, 2))
+    assert fm.allreduce(np.ones(1), child)[0] == same_parity  # groups made from it stay usable
+    fm.destroy_process_group(child)
+    unused = fm.SubBackend(b, range(size))  # destroyed before its communicator exists
+    fm.destroy_process_group(unused)
+    with pytest.raises(fm.DistributedError, match="destroyed"):
+        fm.barrier(unused)
+    evens = fm.new_group(b, range(0, size, 2))
+    if evens is not None:
+        assert fm.allreduce(np.ones(1), evens)[0] == len(range(0, size, 2))
+        fm.destroy_process_group(evens)
+        with pytest.raises(fm.DistributedError, match="destroyed"):
+            fm.barrier(evens)
+    with pytest.raises(fm.InvalidArgument, match="not a ferrompi backend"):
+        fm.destroy_process_group(b.comm)
+    if isinstance(b, fm.MPIBackend):  # a communicator the caller made stays the caller's
+        mine = b.comm.Dup()
+        own = fm.MPIBackend(mine)
+        fm.allreduce(big, own)
+        fm.destroy_process_group(own)
+        assert mine != MPI.COMM_NULL
+        assert fm.allreduce(np.ones(1), fm.MPIBackend(mine))[0] == size  # a fresh backend works
+        mine.Free()
+    assert fm.allreduce(np.ones(1), b)[0] == size  # the parent is untouched
+
+
+def test_destroy_process_group(group):
+    group.run(_destroy)
