@@ -401,7 +401,7 @@ GROUPS = """
 
 
 def test_destroyed_groups_give_their_communicators_back_and_running_out_is_an_error(tmp_path):
-    proc, seconds = launch(tmp_path, GROUPS, 2)
+    proc, _ = launch(tmp_path, GROUPS, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json_lines(proc.stdout)
     assert sorted(reports) == [0, 1]
