@@ -127,6 +127,18 @@ def plain_pair(x, out, shape: tuple[int, ...]):
     return None
 
 
+def plain_in_place(x: np.ndarray):
+    """The MPI datatype of the numpy array ``x`` if MPI can work in place on it as it is, else None.
+
+    :func:`plain_pair` for ``out=x``: C-contiguous, writable, of a native
+    dtype that MPI knows.
+    """
+    flags = x.flags
+    if flags.c_contiguous and flags.writeable and x.dtype.isnative:
+        return DATATYPES.get(x.dtype)
+    return None
+
+
 def check_out(out, shape: tuple[int, ...], dtype: np.dtype, op: str):
     """Return ``out`` if it can receive a result of ``shape`` and ``dtype``.
 

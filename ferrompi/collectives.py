@@ -53,6 +53,7 @@ from ._arrays import (
     datatype_of,
     output,
     overlaps,
+    plain_in_place,
     plain_pair,
 )
 from ._dtypes import mpi_op, reduction
@@ -263,6 +264,8 @@ def _allreduce(
         dt, mop, mean = reduction(op, dtype, _status.OPS[opcode])
         if out is None and like is None:
             result = buf = np.empty(x.shape, dtype)
+        elif out is x and like is None and x.flags.writeable:  # in place, plain numpy
+            result = buf = x
         else:
             result, buf = output(out, x.shape, dtype, _status.OPS[opcode], like, state.comm)
             x = _separate(x, buf, out, in_place=True)
@@ -528,7 +531,9 @@ def _broadcast(
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         root = check_rank(root, state.size, "root", name)
-        dt = plain_pair(x, out, x.shape) if type(x) is _ndarray else None
+        dt = None
+        if type(x) is _ndarray and type(out) is _ndarray:  # plain numpy: one check
+            dt = plain_pair(x, out, x.shape) if out is not x else plain_in_place(x)
         if dt is not None:
             result = buf = out
         else:

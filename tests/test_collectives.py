@@ -116,6 +116,18 @@ def _allreduce_out_inplace_noncontiguous(b):
     x = inputs[rank].copy()
     assert fm.allreduce(x, b, out=x) is x
     np.testing.assert_array_equal(x, expected)
+    x = inputs[rank].copy()
+    assert fm.allreduce(x, b, ReduceOp.MEAN, out=x) is x
+    np.testing.assert_allclose(x, expected / size)
+    wide = np.zeros((4, 12))
+    wide[:, ::2] = inputs[rank]
+    assert fm.allreduce(wide[:, ::2], b, out=wide[:, ::2]).base is wide  # strided, in place
+    np.testing.assert_array_equal(wide[:, ::2], expected)
+    np.testing.assert_array_equal(wide[:, 1::2], 0)
+    frozen = inputs[rank].copy()
+    frozen.flags.writeable = False
+    with pytest.raises(fm.InvalidArgument, match="read-only"):
+        fm.allreduce(frozen, b, out=frozen)
     # non-contiguous input and non-contiguous out
     wide = np.zeros((4, 12))
     wide[:, ::2] = inputs[rank]
@@ -236,6 +248,11 @@ def _broadcast(b):
         y = rank_data(rank, 5, seed=11)
         assert fm.broadcast(y, b, root, out=y) is y  # in place
         np.testing.assert_array_equal(y, rank_data(root, 5, seed=11))
+        wide = np.zeros(10)
+        wide[::2] = rank_data(rank, 5, seed=13)
+        assert fm.broadcast(wide[::2], b, root, out=wide[::2]).base is wide  # strided, in place
+        np.testing.assert_array_equal(wide[::2], rank_data(root, 5, seed=13))
+        np.testing.assert_array_equal(wide[1::2], 0)
         x = rank_data(rank, (2, 3), np.int32, seed=12)
         mine = x.copy()
         out = np.full((2, 3), -1, np.int32)
@@ -256,6 +273,10 @@ def _broadcast(b):
             text = "read-only"
         with pytest.raises(fm.InvalidArgument, match=text):
             fm.broadcast(x, b, out=bad)
+    frozen = np.ones(3)
+    frozen.flags.writeable = False
+    with pytest.raises(fm.InvalidArgument, match="read-only"):
+        fm.broadcast(frozen, b, out=frozen)
     np.testing.assert_array_equal(fm.broadcast(x * rank, b), np.zeros((2, 3)))  # still usable
     with pytest.raises(fm.InvalidRank) as info:
         fm.broadcast(np.ones(2), b, root=size)
