@@ -311,9 +311,11 @@ def destroy_process_group(group: Backend) -> None:
     process (2048 in MPICH): a program that makes groups as it goes must
     destroy the ones it no longer needs.
 
-    Afterwards every operation on the group, through any backend object over
-    the same communicator, raises :class:`~ferrompi.DistributedError`; a
-    second destroy does nothing. Groups made from it stay usable.
+    Afterwards every operation on the group, through every backend object
+    that wrapped its communicator until then, raises
+    :class:`~ferrompi.DistributedError`; a second destroy does nothing.
+    Groups made from it stay usable, and a caller's communicator can be
+    wrapped again (``Backend(comm)``, a fresh start);
     :func:`~ferrompi.init` after the world backend was destroyed returns a
     new one.
 
