@@ -123,8 +123,13 @@ def _read_env_file(path: pathlib.Path) -> dict[str, str]:
 
 def _client_env(slurm_env: dict[str, str]) -> dict[str, str]:
     # Jobs run ferrompi from this checkout with this Python; no stray Slurm
-    # variables from an enclosing job.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # variables from an enclosing job, and no MPICH netmod choice (the tests
+    # check the templates' own).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SLURM_") and k != "MPIR_CVAR_CH4_NETMOD"
+    }
     env.update(slurm_env)
     env.update(FERROMPI_PYTHON=sys.executable, FERROMPI_ROOT=str(ROOT))
     return env
@@ -176,6 +181,7 @@ def _log(path: pathlib.Path) -> str:
 LAUNCH_REPORT = """
 import json
 import logging
+import os
 import numpy as np
 import ferrompi as fm
 
@@ -183,7 +189,8 @@ logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(messa
 world = fm.init()  # logs how the job was launched, at debug level
 info = fm.launch_info()
 total = fm.allreduce(np.array([float(world.rank)]), world)[0]
-print("LAUNCH " + json.dumps({**info.as_dict(), "allreduce": total}), flush=True)
+netmod = os.environ.get("MPIR_CVAR_CH4_NETMOD")
+print("LAUNCH " + json.dumps({**info.as_dict(), "allreduce": total, "netmod": netmod}), flush=True)
 """
 
 
@@ -242,8 +249,12 @@ def test_multi_node_template_and_launch_info(slurm, tmp_path, launcher):
         assert r["slurm_node"] == nodes[r["node_index"]], r
         if launcher == "srun":
             assert (r["slurm_ntasks"], r["slurm_tasks_per_node"]) == (3, "2,1"), r
+            # across nodes under srun's pmi2 plugin the template selects MPICH's OFI
+            # module (docs/slurm.md: UCX's start-up messages overflow Slurm's reader)
+            assert r["netmod"] == "ofi", r
         else:  # Slurm's counts there are those of mpiexec's helpers (one per node)
             assert (r["slurm_ntasks"], r["slurm_tasks_per_node"]) == (None, None), r
+            assert r["netmod"] is None, r
     assert len({r["slurm_step_id"] for r in records}) == 1, records
     logged = f"DEBUG ferrompi: launched by {records[0]['launcher']} in Slurm job {job}, step "
     assert log.count(logged) == 3, log
