@@ -361,20 +361,40 @@ def check_peers(state, seq: int, op_name: str) -> None:
         )
 
 
+_SAME_SIZE_NAMES = ("allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+
 #: Collectives whose arrays have the same size on every rank.
 _SAME_SIZE = frozenset(
-    _status.OPCODE[prefix + name]
-    for name in ("allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
-    for prefix in ("", "async_")
+    _status.OPCODE[prefix + name] for name in _SAME_SIZE_NAMES for prefix in ("", "async_")
+)
+
+
+#: Collectives that move arrays: an MPI error in one most often means that
+#: the ranks passed different shapes or dtypes, or called different collectives.
+_DATA_COLLECTIVES = frozenset(
+    [prefix + name for name in _SAME_SIZE_NAMES for prefix in ("", "async_")]
+    + ["all_to_all_single_uneven", "all_gather_v", "reduce_scatter_v", "all_to_all_v"]
+    + ["allreduce_coalesced"]
+)
+
+_MISMATCH_HINT = (
+    "ranks that pass different shapes or dtypes, or call different collectives, are a "
+    "common cause: FERROMPI_DEBUG=1 checks each collective first and names what every "
+    "rank passed"
 )
 
 
 def mpi_error(op: str, exc: Exception, expected: int | None = None) -> DistributedError:
-    """Translate an ``MPI.Exception`` into ferrompi's hierarchy."""
+    """Translate an ``MPI.Exception`` into ferrompi's hierarchy.
+
+    An error in a collective that moves arrays points to debug mode
+    (:mod:`ferrompi.debug`) when it is off.
+    """
     error_class = exc.Get_error_class()
     if error_class == MPI.ERR_TRUNCATE and expected is not None:
         return SizeMismatch(expected, None, op)
-    return CommunicationError(op, exc.Get_error_string(), error_class)
+    hint = _MISMATCH_HINT if op in _DATA_COLLECTIVES and not debug.ENABLED else ""
+    return CommunicationError(op, exc.Get_error_string(), error_class, hint)
 
 
 _MPIRequest = MPI.Request if MPI is not None else None

@@ -179,13 +179,18 @@ class UnsupportedOp(DistributedError):
 
 
 class CommunicationError(DistributedError):
-    """The MPI library reported an error; ``mpi_error`` holds its error string."""
+    """The MPI library reported an error; ``mpi_error`` holds its error string.
 
-    def __init__(self, op: str, mpi_error: str, error_class: int | None = None) -> None:
+    ``hint``, if given, is appended to the message: what commonly causes it.
+    """
+
+    def __init__(
+        self, op: str, mpi_error: str, error_class: int | None = None, hint: str = ""
+    ) -> None:
         self.op = op
         self.mpi_error = mpi_error
         self.error_class = error_class
-        super().__init__(f"{op}: MPI error: {mpi_error}")
+        super().__init__(f"{op}: MPI error: {mpi_error}" + (f" ({hint})" if hint else ""))
 
 
 # ---------------------------------------------------------------------------

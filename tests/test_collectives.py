@@ -667,3 +667,17 @@ def test_all_to_all_v(group):
 def test_all_to_all_v_wrong_counts_raise_on_every_rank(group):
     for message in group.run(_to_all_v, True):
         assert message is not None and "which expects" in message
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_mpi_error_in_a_collective_points_to_debug_mode(fm_world):
+    fm.set_debug(False)
+    b = fm_world
+    x = np.ones(3) if b.rank == 0 else np.ones(3, np.float32)  # 24 bytes against 12
+    if b.rank == 0:
+        np.testing.assert_array_equal(fm.broadcast(x, b), np.ones(3))  # the root only sends
+        return
+    with pytest.raises(fm.CommunicationError, match=r"FERROMPI_DEBUG=1 checks each") as info:
+        fm.broadcast(x, b)
+    assert info.value.op == "broadcast"
+    assert "FERROMPI_DEBUG" not in info.value.mpi_error  # MPI's own string, unchanged
