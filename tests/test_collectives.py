@@ -669,9 +669,17 @@ def test_all_to_all_v_wrong_counts_raise_on_every_rank(group):
         assert message is not None and "which expects" in message
 
 
-@pytest.mark.mpi(min_size=2)
-def test_an_mpi_error_in_a_collective_points_to_debug_mode(fm_world):
+@pytest.fixture
+def debug_off():
+    """Debug mode off for the test (FERROMPI_DEBUG=1 may have turned it on), as it was after."""
+    before = fm.is_debug()
     fm.set_debug(False)
+    yield
+    fm.set_debug(before)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_mpi_error_in_a_collective_points_to_debug_mode(fm_world, debug_off):
     b = fm_world
     x = np.ones(3) if b.rank == 0 else np.ones(3, np.float32)  # 24 bytes against 12
     if b.rank == 0:
