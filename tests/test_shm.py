@@ -137,6 +137,41 @@ def test_reduce_scatter_and_all_gather_on_one_node(engine_everywhere):
     assert b._state.shm and b._state.shm.rail is None
 
 
+@pytest.fixture
+def threaded(engine_everywhere, monkeypatch):
+    """The engine fixture with 3 threads per rank from the smallest call, shares of 64 bytes."""
+    monkeypatch.setenv("FERROMPI_SHM_THREADS", "3")
+    monkeypatch.setattr(_shm, "PIECE_BYTES", 64)
+    monkeypatch.setattr(_shm, "THREADS_FROM", 0)
+
+
+def test_threaded_copies_and_reductions_give_the_same_results(threaded):
+    # 1 KiB rounds cut into shares of 64 bytes and more among 3 threads per
+    # rank: the same checks as without threads (bit-identical on every rank,
+    # MPI's integer sums), over rounds whose parts split unevenly
+    b = fresh_world()
+    check_allreduce(b)
+    assert b._state.shm.team.size == 3
+    p, r = b.world_size, b.rank
+    for rows in (1, 7, 300):
+        xs = [rank_data(j, (rows * p, 3), np.int64, seed=rows) for j in range(p)]
+        mpi = np.empty((rows, 3), np.int64)
+        b.comm.Reduce_scatter_block(xs[r], mpi, MPI.SUM)
+        np.testing.assert_array_equal(fm.reduce_scatter(xs[r], b), mpi)
+        ys = [rank_data(j, (rows, 5), np.float32, seed=rows + 1) for j in range(p)]
+        np.testing.assert_array_equal(fm.all_gather(ys[r], b), np.concatenate(ys))
+    fm.destroy_process_group(b)  # stops the threads too
+
+
+def test_a_bad_thread_count_raises_before_the_engine_is_built(engine_everywhere, monkeypatch):
+    monkeypatch.setenv("FERROMPI_SHM_THREADS", "two")
+    b = fresh_world()
+    with pytest.raises(fm.InvalidArgument, match="FERROMPI_SHM_THREADS must be a positive"):
+        fm.allreduce(np.ones(4), b)
+    monkeypatch.delenv("FERROMPI_SHM_THREADS")
+    np.testing.assert_array_equal(fm.allreduce(np.ones(4), b), np.full(4, b.world_size))
+
+
 def test_default_thresholds_route_to_the_engine():
     # the defaults, not the fixture: allreduce and reduce_scatter from 16 KiB
     # of input per rank run on the engine, a size below through MPI, and
