@@ -134,7 +134,7 @@ THREADS_FROM = 8 << 20
 
 #: Smallest share of a copy or reduction given to a thread, in bytes read
 #: and written: handing work to a waiting thread costs about 20 us, in which
-#: a core moves 0.4-0.5 MiB. (With 256 KiB, a 1 MiB allreduce took 1.2-1.7x
+#: a core moves 0.4-0.5 MiB. (With 256 KiB, a 1 MiB allreduce took 1.5-2.0x
 #: as long with 4 threads as with 1, on 16 cores.)
 PIECE_BYTES = 1 << 20
 
