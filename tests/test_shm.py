@@ -163,6 +163,14 @@ def test_threaded_copies_and_reductions_give_the_same_results(threaded):
     fm.destroy_process_group(b)  # stops the threads too
 
 
+def test_threaded_hierarchical_allreduce(threaded, monkeypatch):
+    size = MPI.COMM_WORLD.size
+    monkeypatch.setenv("FERROMPI_SHM_GROUP_SIZE", "2" if size == 4 else "1")
+    b = fresh_world()
+    check_allreduce(b)
+    assert b._state.shm.rail is not None and b._state.shm.team.size == 3
+
+
 def test_a_bad_thread_count_raises_before_the_engine_is_built(engine_everywhere, monkeypatch):
     monkeypatch.setenv("FERROMPI_SHM_THREADS", "two")
     b = fresh_world()
