@@ -306,7 +306,6 @@ class _Team:
     def __init__(self, size: int) -> None:
         self.size = size
         self._inboxes: list[queue.SimpleQueue] = []
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
 
     def _pieces(self, nbytes: int) -> int:
         return max(1, min(self.size, nbytes // PIECE_BYTES))
@@ -319,26 +318,29 @@ class _Team:
                     target=self._serve, args=(inbox,), name="ferrompi-shm", daemon=True
                 ).start()
                 self._inboxes.append(inbox)
+        # one queue per call: a call interrupted while it waits (KeyboardInterrupt)
+        # leaves its late answers there, not in the next call's queue
+        done: queue.SimpleQueue = queue.SimpleQueue()
         for inbox, share in zip(self._inboxes, shares[1:], strict=False):  # maybe fewer shares
-            inbox.put((fn, share))
+            inbox.put((fn, share, done))
         error = None
         try:
             fn(*shares[0])
         finally:  # the other shares write the same buffers: wait for them either way
             for _ in shares[1:]:
-                error = self._done.get() or error
+                error = done.get() or error
         if error is not None:
             raise error
 
     def _serve(self, inbox: queue.SimpleQueue) -> None:
         while (job := inbox.get()) is not None:
-            fn, share = job
+            fn, share, done = job
             try:
                 fn(*share)
             except BaseException as exc:  # handed to the caller, which raises it
-                self._done.put(exc)
+                done.put(exc)
             else:
-                self._done.put(None)
+                done.put(None)
 
     def copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """``dst[...] = src`` for each 1-D pair, split among the threads when large."""
