@@ -361,20 +361,23 @@ def check_peers(state, seq: int, op_name: str) -> None:
         )
 
 
-_SAME_SIZE_NAMES = ("allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
-
-#: Collectives whose arrays have the same size on every rank.
-_SAME_SIZE = frozenset(
-    _status.OPCODE[prefix + name] for name in _SAME_SIZE_NAMES for prefix in ("", "async_")
+_SAME_SIZE_OPS = tuple(
+    prefix + name
+    for name in ("allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+    for prefix in ("", "async_")
 )
 
+#: Collectives whose arrays have the same size on every rank.
+_SAME_SIZE = frozenset(_status.OPCODE[op] for op in _SAME_SIZE_OPS)
 
 #: Collectives that move arrays: an MPI error in one most often means that
 #: the ranks passed different shapes or dtypes, or called different collectives.
 _DATA_COLLECTIVES = frozenset(
-    [prefix + name for name in _SAME_SIZE_NAMES for prefix in ("", "async_")]
-    + ["all_to_all_single_uneven", "all_gather_v", "reduce_scatter_v", "all_to_all_v"]
-    + ["allreduce_coalesced"]
+    (
+        *_SAME_SIZE_OPS,
+        *("all_to_all_single_uneven", "all_gather_v", "reduce_scatter_v", "all_to_all_v"),
+        "allreduce_coalesced",
+    )
 )
 
 _MISMATCH_HINT = (

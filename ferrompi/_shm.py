@@ -261,11 +261,12 @@ def default_threads(local_ranks: int) -> int:
     unbound one (it may run on every core) its share of them among the
     node's ``local_ranks`` ranks; at most :data:`MAX_THREADS`, at least 1.
     """
+    cores = os.cpu_count() or 1
     try:
         mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        mine = os.cpu_count() or 1
-    if mine >= (os.cpu_count() or 1):  # not bound: the node's cores are shared by its ranks
+        mine = cores
+    if mine >= cores:  # not bound: the node's cores are shared by its ranks
         mine //= max(1, local_ranks)
     return max(1, min(MAX_THREADS, mine))
 
@@ -344,16 +345,15 @@ class _Team:
 
     def copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """``dst[...] = src`` for each 1-D pair, split among the threads when large."""
-        if self.size > 1:
-            n = self._pieces(2 * sum([dst.nbytes for dst, _ in pairs]))
-            if n > 1:
-                self._run(_copy_pairs, [(share,) for share in _share(pairs, n)])
-                return
-        _copy_pairs(pairs)
+        n = self._pieces(2 * sum([dst.nbytes for dst, _ in pairs]))
+        if n == 1:
+            _copy_pairs(pairs)
+        else:
+            self._run(_copy_pairs, [(share,) for share in _share(pairs, n)])
 
     def reduce(self, ufunc, sources: list[np.ndarray], dst: np.ndarray) -> None:
         """:func:`_reduce_into` of 1-D arrays, split into element ranges among the threads."""
-        n = 1 if self.size == 1 else self._pieces(dst.nbytes * (len(sources) + 1))
+        n = self._pieces(dst.nbytes * (len(sources) + 1))
         if n == 1:
             _reduce_into(ufunc, sources, dst)
             return
@@ -369,10 +369,6 @@ class _Team:
         for inbox in self._inboxes:
             inbox.put(None)
         self._inboxes = []
-
-
-#: The team of a call below :data:`THREADS_FROM`: the caller alone.
-_SOLO = _Team(1)
 
 
 def _reduce_into(ufunc, sources: list[np.ndarray], dst: np.ndarray) -> None:
@@ -491,6 +487,15 @@ class NodeEngine:
             self.typed[dtype] = views = [w.view(dtype) for w in self.windows]
         return views
 
+    def _team_for(self, nbytes: int) -> _Team | None:
+        """The threads to split a call of ``nbytes`` among, or None: the caller alone.
+
+        None below :data:`THREADS_FROM` and with one thread; the calls then
+        copy in their own loops, as building the lists of pieces for a team
+        costs 1-2 us a round (3-6 % of a 256 KiB allreduce).
+        """
+        return self.team if nbytes >= THREADS_FROM and self.team.size > 1 else None
+
     # -- waiting -------------------------------------------------------------
 
     def _wait(self, word: int, value: int, deadline: float, probe) -> None:
@@ -589,7 +594,7 @@ class NodeEngine:
             _reduce_into(ufunc, parts, out.reshape(-1))
             self._end_round(t)
             return
-        team = self.team if n >= THREADS_FROM else _SOLO
+        team = self._team_for(n)
         xb = x.reshape(-1).view(np.uint8)
         ob = out.reshape(-1).view(np.uint8)
         item = dtype.itemsize
@@ -599,12 +604,7 @@ class NodeEngine:
             t, base = self._claim(deadline, probe, signature, hi - lo)
             parts = self._parts(lo, hi, item)
             mywin = windows[me]
-            # the pieces to copy, as lists for a team of threads; copied in
-            # place with one thread (a list costs 1-2 us a round, 3-6 % at 256 KiB)
-            spans = (
-                [(j, parts[j], parts[j + 1]) for j in range(self.size)] if team.size > 1 else None
-            )
-            if spans is None:
+            if team is None:
                 for j in range(self.size):
                     if j != me:
                         a, b = parts[j], parts[j + 1]
@@ -612,8 +612,11 @@ class NodeEngine:
             else:
                 team.copy(
                     [
-                        (mywin[base + a - lo : base + b - lo], xb[a:b])
-                        for j, a, b in spans
+                        (
+                            mywin[base + parts[j] - lo : base + parts[j + 1] - lo],
+                            xb[parts[j] : parts[j + 1]],
+                        )
+                        for j in range(self.size)
                         if j != me
                     ]
                 )
@@ -630,18 +633,24 @@ class NodeEngine:
                     else windows[j][base + a - lo : base + b - lo].view(dtype)
                     for j in range(self.size)
                 ]
-                (_reduce_into if spans is None else team.reduce)(ufunc, sources, dst)
+                (_reduce_into if team is None else team.reduce)(ufunc, sources, dst)
                 if self.rail is not None:
                     self._rail_allreduce(dst, mpi_op, deadline)
             self._post(_REDUCED, t + 1)
             self._wait(_REDUCED, t + 1, deadline, probe)
-            if spans is None:
+            if team is None:
                 for j in range(self.size):
                     a, b = parts[j], parts[j + 1]
                     ob[a:b] = windows[j][base + a - lo : base + b - lo]
             else:
                 team.copy(
-                    [(ob[a:b], windows[j][base + a - lo : base + b - lo]) for j, a, b in spans]
+                    [
+                        (
+                            ob[parts[j] : parts[j + 1]],
+                            windows[j][base + parts[j] - lo : base + parts[j + 1] - lo],
+                        )
+                        for j in range(self.size)
+                    ]
                 )
             self._end_round(t)
 
@@ -659,25 +668,30 @@ class NodeEngine:
         item = dtype.itemsize
         step = max(1, self.slot // p // item)  # elements of each block per round
         signature = _signature(1, x, index)
-        team = self.team if x.nbytes >= THREADS_FROM else _SOLO
+        team = self._team_for(x.nbytes)
         for lo in range(0, block, step):
             hi = min(block, lo + step)
             m = hi - lo
             t, base = self._claim(deadline, probe, signature, p * m * item)
             b0 = base // item  # rounds start on page boundaries
             mine = views[me]
-            team.copy(
-                [
-                    (mine[b0 + j * m : b0 + (j + 1) * m], blocks[j, lo:hi])
-                    for j in range(p)
-                    if j != me
-                ]
-            )
+            if team is None:
+                for j in range(p):
+                    if j != me:
+                        mine[b0 + j * m : b0 + (j + 1) * m] = blocks[j, lo:hi]
+            else:
+                team.copy(
+                    [
+                        (mine[b0 + j * m : b0 + (j + 1) * m], blocks[j, lo:hi])
+                        for j in range(p)
+                        if j != me
+                    ]
+                )
             self._post(_READY, t + 1)
             self._wait(_READY, t + 1, deadline, probe)
             if lo == 0:
                 self._agree(signature, t)
-            team.reduce(
+            (_reduce_into if team is None else team.reduce)(
                 ufunc,
                 [
                     blocks[me, lo:hi] if j == me else v[b0 + me * m : b0 + (me + 1) * m]
@@ -698,7 +712,7 @@ class NodeEngine:
         item = dtype.itemsize
         step = max(1, self.slot // item)  # elements per round
         signature = _signature(2, x)
-        team = self.team if x.nbytes >= THREADS_FROM else _SOLO
+        team = self._team_for(x.nbytes)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             t, base = self._claim(deadline, probe, signature, (hi - lo) * item)
@@ -709,7 +723,12 @@ class NodeEngine:
             self._wait(_READY, t + 1, deadline, probe)
             if lo == 0:
                 self._agree(signature, t)
-            team.copy([(o[j, lo:hi], views[j][b0 : b0 + hi - lo]) for j in range(p) if j != me])
+            if team is None:
+                for j in range(p):
+                    if j != me:
+                        o[j, lo:hi] = views[j][b0 : b0 + hi - lo]
+            else:
+                team.copy([(o[j, lo:hi], views[j][b0 : b0 + hi - lo]) for j in range(p) if j != me])
             self._end_round(t)
 
     def free(self) -> None:
