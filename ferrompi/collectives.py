@@ -710,6 +710,14 @@ def _rows_divisible(x: np.ndarray, size: int, name: str) -> int:
     return x.shape[0] // size
 
 
+#: Largest result (bytes per rank) a reduce_scatter through MPI hands to
+#: ``Ireduce_scatter_block``; larger ones go to ``Ireduce_scatter`` with equal
+#: counts. With MPICH 5.0 (2, 3 and 4 ranks) the block form took 0.93-0.99 of
+#: the other's time from 4 B to 16 KiB, but 4-6x its time at 256 KiB (and
+#: 8-10x the blocking call's at 1 MiB in earlier runs; docs/performance.md).
+BLOCK_SCATTER_BYTES = 16 << 10
+
+
 def _reduce_scatter(
     x, backend: Backend, op, out, timeout, opcode: int, blocking: bool
 ) -> PendingCollective | np.ndarray:
@@ -717,11 +725,20 @@ def _reduce_scatter(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        like, x = x, as_input(x, name, state.comm)
-        dt, mop, mean = reduction(op, x.dtype, name)
-        rows = _rows_divisible(x, state.size, name)
-        result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name, like, state.comm)
-        x = _separate(x, buf, out)
+        if (
+            type(x) is _ndarray
+            and x.ndim
+            and not x.shape[0] % state.size
+            and plain_pair(x, out, (x.shape[0] // state.size, *x.shape[1:])) is not None
+        ):  # plain numpy with a separate out: one check
+            dt, mop, mean = reduction(op, x.dtype, name)
+            result = buf = out
+        else:
+            like, x = x, as_input(x, name, state.comm)
+            dt, mop, mean = reduction(op, x.dtype, name)
+            rows = _rows_divisible(x, state.size, name)
+            result, buf = output(out, (rows, *x.shape[1:]), x.dtype, name, like, state.comm)
+            x = _separate(x, buf, out)
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
@@ -737,12 +754,12 @@ def _reduce_scatter(
             return _done_on_node(state, result, buf, divisor)
     seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
     try:
-        # Ireduce_scatter with equal counts, not Ireduce_scatter_block: MPICH 5.0's
-        # algorithm for the latter takes 8-10x the blocking call's time at 1 MiB
-        # (docs/performance.md); this one matches it at every size measured.
-        req = state.comm.Ireduce_scatter(
-            [x, x.size, dt], [buf, count, dt], [count] * state.size, mop
-        )
+        if buf.nbytes <= BLOCK_SCATTER_BYTES:
+            req = state.comm.Ireduce_scatter_block([x, count, dt], [buf, count, dt], mop)
+        else:
+            req = state.comm.Ireduce_scatter(
+                [x, x.size, dt], [buf, count, dt], [count] * state.size, mop
+            )
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None

@@ -324,6 +324,20 @@ def _reduce_scatter(b):
         got = fm.reduce_scatter(inputs[rank], b, op)
         assert_matches(got, total[2 * rank : 2 * rank + 2], dtype)
     assert fm.reduce_scatter_tensor is fm.reduce_scatter
+    # Into out= (plain numpy: the one-check path), on either side of the size
+    # from which MPI's Ireduce_scatter replaces Ireduce_scatter_block.
+    block_rows = fm.collectives.BLOCK_SCATTER_BYTES // (3 * 4)
+    for rows in (1, block_rows, block_rows + 1):
+        inputs = [rank_data(r, (rows * size, 3), np.int32, seed=rows) for r in range(size)]
+        total = reference_reduce(inputs, ReduceOp.SUM, np.dtype(np.int32))
+        out = np.full((rows, 3), -1, np.int32)
+        assert fm.reduce_scatter(inputs[rank], b, out=out) is out
+        np.testing.assert_array_equal(out, total[rows * rank : rows * (rank + 1)])
+        out[:] = -1
+        assert fm.async_reduce_scatter(inputs[rank], b, out=out).wait() is out
+        np.testing.assert_array_equal(out, total[rows * rank : rows * (rank + 1)])
+    with pytest.raises(fm.InvalidArgument, match=r"expected shape \(2, 3\)"):
+        fm.reduce_scatter(np.ones((2 * size, 3)), b, out=np.empty((3, 3)))
     if size > 1:  # every row count divides by 1
         with pytest.raises(fm.InvalidArgument, match=rf"{size + 1} rows.*world size {size}"):
             fm.reduce_scatter(np.ones(size + 1), b)
