@@ -142,6 +142,7 @@ class CommState:
         "participant",
         "rank",
         "rec",
+        "rejected",
         "release",
         "seq",
         "shm",
@@ -169,6 +170,7 @@ class CommState:
         self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
         self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
         self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
+        self.rejected = 0  # the collective this rank last rejected locally, until settled
         self.destroyed = False  # by ferrompi.destroy_process_group
 
     def fusion_buffer(self, dtype, count: int):
@@ -200,6 +202,8 @@ class CommState:
             raise DistributedError(self.broken)
         rec = self.rec
         if peer < 0:
+            if self.rejected:
+                self.settle_rejection(opcode, timeout)
             self.seq = seq = self.seq + 1
             rec[self.slot + _W_ENTERED] = seq << 8 | opcode
         else:
@@ -216,6 +220,64 @@ class CommState:
             header = debug.header(opcode, seq, shape, dtype, op, root, rejected)
             debug.check(self, header, timeout)
         return seq
+
+    def settle_rejection(self, opcode: int, timeout: float | None) -> None:
+        """Before the first collective after one this rank rejected: start it only if safe.
+
+        The rejected collective's number was not consumed, so MPI matches
+        this call with whatever the peers started under that number. That
+        is the same call when they rejected it too (the same bad input on
+        every rank, the common case); when a peer started the rejected
+        collective instead, MPI would pair two different operations and
+        hand back wrong data. So this waits until every peer on this node
+        has either rejected it or started it, and raises if one started it.
+        Ranks that rejected it then wait until each has read the others'
+        records (``SETTLED``), so none moves on, and overwrites its record,
+        before the others have read it. Peers on other nodes cannot be seen.
+
+        Raises
+        ------
+        DistributedError
+            If a peer started the rejected collective; the backend is then unusable.
+        CollectiveTimeout
+            If a peer has done neither within ``timeout``, or not read this
+            rank's record.
+        """
+        seq, name = self.rejected, _status.OPS[opcode]
+        seconds = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        args = (self.participant, self.world_ranks, self.key, seq)
+        fate: list = []
+
+        def decided() -> bool:
+            fate[:] = _status.fate_of_rejected(*args)
+            return not fate[1]
+
+        def timed_out(ranks: list[int], what: str) -> CollectiveTimeout:
+            return CollectiveTimeout(
+                seconds,
+                name,
+                tuple(ranks),
+                f"this rank rejected collective #{seq} before communicating and waits for "
+                f"{', '.join(f'rank {r}' for r in ranks)} to {what}",
+                f"(collective #{seq} of a group of {self.size})",
+            )
+
+        if not _status.spin_until(decided, deadline):
+            raise timed_out(fate[1], "reach it")
+        started, _, rejected = fate
+        self.rec[self.slot + _status.SETTLED] = seq  # read: the peers may move on
+        if started:
+            who = ", ".join(f"rank {r}" for r in started)
+            self.broken = (
+                f"this backend is unusable: {who} started collective #{seq}, which this rank "
+                "rejected before communicating; MPI would match this rank's next collective "
+                "with it and mix up their data. End the job with fm.abort()"
+            )
+            raise DistributedError(f"{name}: {self.broken}")
+        if not _status.spin_until(lambda: _status.settled(*args, rejected), deadline):
+            raise timed_out(rejected, "read this rank's record")
+        self.rejected = 0
 
     def end(self, state: int = _status.DONE, entry: list | None = None) -> None:
         rec = self.rec
@@ -241,8 +303,9 @@ class CommState:
                     seq = self.seq  # the caller raises its own, more precise error
             else:
                 # The number is not consumed: MPI would match this rank's next
-                # collective with the one its peers started.
-                seq = self.seq + 1
+                # collective with the one its peers started, which the next
+                # begin() checks first (settle_rejection).
+                seq = self.rejected = self.seq + 1
             rec[self.slot + _status.REJECTED] = seq  # peers waiting for it raise
         rec[_status.OP] = opcode
         rec[_status.KEY] = self.key

@@ -70,9 +70,11 @@ NSLOTS = 32
 # opcode of the last one, in one word (``number << 8 | opcode``: a peer can
 # never pair a new number with the previous operation); the number of the last
 # collective this rank rejected locally (0: none); and the bytes and number of
-# the collective it has been waiting in for a while.
-SLOT_WORDS = 5
-ENTERED, REJECTED, WAIT_BYTES, WAIT_SEQ = 1, 2, 3, 4
+# the collective it has been waiting in for a while; and the number of the
+# last rejected collective whose fate this rank has read on its peers'
+# records (``CommState.settle_rejection``).
+SLOT_WORDS = 6
+ENTERED, REJECTED, WAIT_BYTES, WAIT_SEQ, SETTLED = 1, 2, 3, 4, 5
 REC_WORDS = SLOT0 + NSLOTS * SLOT_WORDS
 assert len(OPS) <= 0xFF
 
@@ -181,6 +183,7 @@ class Participant:
         rec[slot + REJECTED] = 0
         rec[slot + WAIT_BYTES] = 0
         rec[slot + WAIT_SEQ] = 0
+        rec[slot + SETTLED] = 0
         self.board.fence()
         rec[slot] = key
         return key, slot
@@ -409,6 +412,43 @@ def rejected_by(
         for local, row, slot in _peer_slots(participant, world_ranks, key)
         if slot is not None and int(row[slot + REJECTED]) == seq
     ]
+
+
+def fate_of_rejected(
+    participant: Participant, world_ranks: Sequence[int], key: int, seq: int
+) -> tuple[list[int], list[int], list[int]]:
+    """After this rank rejected collective ``seq`` locally: what its peers did with it.
+
+    Returns the group ranks whose record shows ``seq`` entered and not
+    rejected (they started it: MPI would match this rank's next collective
+    with it), those whose record shows neither yet, and those that rejected
+    it too. Peers whose record this process cannot see (another node) are
+    in none of the lists. A peer that rejected ``seq`` keeps showing it
+    until this rank has settled ``seq`` (:func:`settled`), so the first two
+    cannot be confused with a peer that rejected it and moved on.
+    """
+    started, undecided, rejected = [], [], []
+    for local, row, slot in _peer_slots(participant, world_ranks, key):
+        if slot is None:
+            continue
+        if int(row[slot + REJECTED]) == seq:
+            rejected.append(local)
+        elif _entered(row, slot)[0] >= seq:
+            started.append(local)
+        else:
+            undecided.append(local)
+    return started, undecided, rejected
+
+
+def settled(
+    participant: Participant, world_ranks: Sequence[int], key: int, seq: int, ranks: list[int]
+) -> bool:
+    """Whether the peers ``ranks`` (group ranks) have all read the fate of rejected ``seq``."""
+    return all(
+        int(row[slot + SETTLED]) >= seq
+        for local, row, slot in _peer_slots(participant, world_ranks, key)
+        if local in ranks and slot is not None
+    )
 
 
 def sizes_apart(

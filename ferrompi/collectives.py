@@ -155,6 +155,8 @@ def _node_engine(
         if type(state.comm) is SimComm or state.size == 1 or not _shm.enabled():
             engine = False
         else:
+            if state.rejected:  # the setup communicates before begin() would check
+                state.settle_rejection(opcode, timeout)
             _arrive_for_setup(backend, timeout, opcode, nbytes)
             engine = _shm.NodeEngine.create(state.comm) or False
         state.shm = engine

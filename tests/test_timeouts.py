@@ -74,6 +74,12 @@ def _local_rejection_is_reported(b):
     if b.rank == 0:
         with pytest.raises(fm.UnsupportedOp):
             fm.allreduce(np.arange(3), b, fm.ReduceOp.MEAN)
+        # Its next collective would be matched by MPI with the allreduce its
+        # peers started: it raises instead of mixing up their data.
+        with pytest.raises(fm.DistributedError, match="started collective #1, which this rank"):
+            fm.barrier(b, timeout=20)
+        with pytest.raises(fm.DistributedError, match="unusable"):
+            fm.allreduce(np.arange(3), b)
         return
     start = time.monotonic()
     with pytest.raises(fm.DistributedError) as info:
