@@ -901,13 +901,17 @@ def all_to_all_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out
     return all_to_all(x, backend, out=out, timeout=timeout)
 
 
+_INT = {int}
+
+
 def _splits(value, size: int, what: str, name: str) -> list[int]:
     if (
         type(value) in (list, tuple)
         and len(value) == size
-        and all(type(c) is int and c >= 0 for c in value)
+        and set(map(type, value)) == _INT
+        and min(value) >= 0
     ):
-        return list(value)
+        return value if type(value) is list else list(value)
     try:
         splits = np.asarray(value)
     except Exception:
@@ -963,10 +967,13 @@ def all_to_all_single_uneven(
     ------
     InvalidArgument
         Before communicating, for splits of the wrong length, negative counts,
-        or send counts that do not sum to ``x.shape[0]``. After the table
-        exchange, on every rank of the group, when a rank's ``recv_splits``
-        disagree with what its peers send, or ranks disagree on the dtype or
-        row shape; the message lists every disagreeing pair with its numbers.
+        send counts that do not sum to ``x.shape[0]``, or an ``out`` of
+        another dtype or row shape, or whose rows differ from
+        ``sum(recv_splits)``. After the table exchange, on every rank of the
+        group, when a rank's ``recv_splits`` disagree with what its peers
+        send, a rank's ``out`` has not the rows it receives, or ranks disagree
+        on the dtype or row shape; the message lists every disagreeing pair
+        with its numbers.
 
     Examples
     --------
@@ -994,12 +1001,17 @@ def all_to_all_single_uneven(
                 f"input has {x.shape[0]} rows"
             )
         recv = None if recv_splits is None else _splits(recv_splits, size, "recv_splits", name)
+        out_rows = -1 if out is None else _out_rows(out, x, name)
+        if recv is not None and out_rows >= 0 and out_rows != sum(recv):
+            raise InvalidArgument(
+                f"{name}: out has {out_rows} rows but recv_splits {recv} sum to {sum(recv)}"
+            )
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
     header = _split_table(size)[0].pack(
-        *send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char)
+        *send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char), out_rows
     )
     table = bytearray(len(header) * size)
     seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
@@ -1014,11 +1026,15 @@ def all_to_all_single_uneven(
     if problems:
         state.end(_status.FAILED)
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
-    try:
-        result, buf = output(out, (sum(received), *x.shape[1:]), x.dtype, name, like, state.comm)
-    except FerrompiError:
-        state.end(_status.FAILED)
-        raise
+    if type(out) is _ndarray and out.flags.c_contiguous:  # checked before the exchange
+        result = buf = out
+    else:
+        try:
+            shape = (sum(received), *x.shape[1:])
+            result, buf = output(out, shape, x.dtype, name, like, state.comm)
+        except FerrompiError:
+            state.end(_status.FAILED)
+            raise
     x = _separate(x, buf, out)
     if row == 1:
         scounts, rcounts = send, received
@@ -1064,16 +1080,37 @@ def _start_alltoallv(state, x, buf, dt, scounts, sdispls, rcounts, rdispls):
     return req, (x, scounts, sdispls, rcounts, rdispls)
 
 
+def _out_rows(out, x, name: str) -> int:
+    """The rows of the uneven all-to-all's ``out``, once all else about it is checked.
+
+    Its row count is checked against the split tables, on every rank.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``out`` is 0-d, or not a writable array of ``x``'s dtype and row shape.
+    """
+    shape = getattr(out, "shape", None)
+    if type(out) is _ndarray and shape:  # plain numpy: one test
+        if shape[1:] == x.shape[1:] and out.dtype == x.dtype and out.flags.writeable:
+            return shape[0]
+    if shape == ():
+        raise InvalidArgument(f"{name}: out is 0-d; it needs an axis 0 of rows")
+    rows = shape[0] if type(shape) is tuple else 0
+    check_out(out, (rows, *x.shape[1:]), x.dtype, name)
+    return rows
+
+
 @functools.lru_cache(maxsize=16)
 def _split_table(size: int) -> tuple[struct.Struct, struct.Struct]:
     """The packings of one rank's row of the uneven all-to-all's split table, and of the table.
 
-    A row is ``2 * size + 2`` int64: the rank's send splits, its recv splits
-    (-1: take the peers'), its elements per row and its dtype's character
-    code. Packed and unpacked without numpy: 0.1 us each against 0.4-0.5 us
-    for small arrays.
+    A row is ``2 * size + 3`` int64: the rank's send splits, its recv splits
+    (-1: take the peers'), its elements per row, its dtype's character code
+    and the rows of its ``out`` (-1: none given). Packed and unpacked without
+    numpy: 0.1 us each against 0.4-0.5 us for small arrays.
     """
-    width = 2 * size + 2
+    width = 2 * size + 3
     return struct.Struct(f"={width}q"), struct.Struct(f"={size * width}q")
 
 
@@ -1091,12 +1128,14 @@ def _uneven_check(table: bytearray, size: int, rank: int) -> tuple[list[int], li
     ``table`` holds every rank's row (:func:`_split_table`), in rank order.
     The problems are the same on every rank.
     """
-    width = 2 * size + 2
+    width = 2 * size + 3
     if size >= _VECTOR_CHECK_FROM:
         rows = np.frombuffer(table, np.int64).reshape(size, width)
-        sent_rows, expected_rows, kinds = rows[:, :size], rows[:, size:-2], rows[:, -2:]
+        sent_rows, expected_rows, kinds = rows[:, :size], rows[:, size:-3], rows[:, -3:-1]
         agree = (expected_rows == sent_rows.T) | (expected_rows < 0)
-        if agree.all() and (kinds == kinds[0]).all():
+        out_rows = rows[:, -1]
+        fits = (out_rows < 0) | (out_rows == sent_rows.sum(axis=0))
+        if agree.all() and fits.all() and (kinds == kinds[0]).all():
             return sent_rows[:, rank].tolist(), []
     flat = _split_table(size)[1].unpack(table)
     elements, codes = flat[2 * size :: width], flat[2 * size + 1 :: width]
@@ -1111,7 +1150,13 @@ def _uneven_check(table: bytearray, size: int, rank: int) -> tuple[list[int], li
         start = dst * width + size
         expects = flat[start : start + size]  # dst's recv splits
         sends = flat[dst::width]  # what each rank sends to dst
-        if expects == sends or expects.count(-1) == size:
+        if expects == sends:  # dst's out was checked against its recv_splits before
+            continue
+        if expects.count(-1) == size:  # dst takes its peers' splits
+            out_rows = flat[start + size + 2]
+            if out_rows >= 0 and out_rows != sum(sends):
+                received = sum(sends)
+                problems.append(f"rank {dst}'s out has {out_rows} rows but it receives {received}")
             continue
         for src, (sent, expected) in enumerate(zip(sends, expects, strict=True)):
             if sent != expected and expected >= 0:

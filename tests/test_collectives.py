@@ -494,6 +494,7 @@ def test_uneven_large_groups_check_tables_with_numpy(size):
     fm.SimulatedBackend.run(size, _uneven_row_shape_mismatch)
     fm.SimulatedBackend.run(size, _uneven_dtype_mismatch)
     fm.SimulatedBackend.run(size, _uneven_some_ranks_take_the_peers_splits)
+    fm.SimulatedBackend.run(size, _uneven_out_rows)
 
 
 def _uneven_local_errors(b):
@@ -510,6 +511,32 @@ def _uneven_local_errors(b):
         fm.all_to_all_single_uneven(np.ones(size), [1] * size, [1.5] * size, b)
     with pytest.raises(fm.InvalidArgument, match="0-d"):
         fm.all_to_all_single_uneven(np.float64(1), [1] * size, None, b)
+    x = np.ones((size, 2))
+    for out, text in [
+        (np.empty((size + 1, 2)), rf"out has {size + 1} rows but recv_splits .* sum to {size}"),
+        (np.empty((size, 3)), rf"expected shape \({size}, 2\)"),
+        (np.empty((size, 2), np.float32), "dtype float64"),
+        (np.empty(()), "out is 0-d"),
+        ([0.0] * size, "out must be a numpy array"),
+    ]:
+        with pytest.raises(fm.InvalidArgument, match=text):
+            fm.all_to_all_single_uneven(x, [1] * size, [1] * size, b, out=out)
+    # every rank rejected the same calls: the group goes on
+    np.testing.assert_array_equal(fm.allreduce(np.ones(1), b), [size])
+
+
+def _uneven_out_rows(b):
+    """Rows received are known only after the exchange: a wrong out raises on every rank."""
+    size, rank = b.world_size, b.rank
+    out = np.empty(size + (rank == size - 1))  # the last rank's out has a row too many
+    with pytest.raises(fm.InvalidArgument) as info:
+        fm.all_to_all_single_uneven(np.ones(size), [1] * size, None, b, out=out, timeout=20)
+    assert f"rank {size - 1}'s out has {size + 1} rows but it receives {size}" in str(info.value)
+    np.testing.assert_array_equal(fm.allreduce(np.ones(1), b), [size])
+
+
+def test_uneven_out_of_wrong_rows_raises_on_every_rank(multigroup):
+    multigroup.run(_uneven_out_rows)
 
 
 def test_uneven_local_errors(group):
