@@ -579,17 +579,17 @@ class PendingCollective:
             raise self._error
         seconds = self._timeout if timeout is None else timeout_seconds(timeout)
         reqs = self._reqs
-        probe = (self._state, self._seq, self.op_name) if self._peer < 0 < self._seq else None
         try:
             if len(reqs) == 1 and self._statuses is None:
                 req = reqs[0]
                 finished = (
                     req.Test()
-                    or _quick_test(req.Test, None, probe is not None)
-                    or _wait_requests(reqs, None, time.monotonic() + seconds, probe)
+                    or _quick_test(req.Test, None, self._peer < 0)
+                    or _wait_requests(reqs, None, time.monotonic() + seconds, self._probe())
                 )
             else:
-                finished = _wait_requests(reqs, self._statuses, time.monotonic() + seconds, probe)
+                deadline = time.monotonic() + seconds
+                finished = _wait_requests(reqs, self._statuses, deadline, self._probe())
         except MPI.Exception as exc:
             self._fail(mpi_error(self.op_name, exc, self._expected))
         except DistributedError as exc:
@@ -602,6 +602,10 @@ class PendingCollective:
             self._time_out(seconds)
         self._complete()
         return self._result
+
+    def _probe(self) -> tuple | None:
+        """The arguments of :func:`check_peers` for a collective's long wait, else None."""
+        return (self._state, self._seq, self.op_name) if self._peer < 0 < self._seq else None
 
     def _wait_rest(self, seconds: float):
         """Continue a wait begun by :func:`complete` (MPI: the deadline has passed)."""
@@ -624,9 +628,16 @@ class PendingCollective:
                 self._finish(self._result, self._keep)
             except DistributedError as exc:
                 self._fail(exc)
-        self._state.end(_status.DONE, self._entry)
+            self._finish = None
+        rec = self._state.rec
+        rec[_W_T_END] = now = _monotonic_ns()
+        rec[_W_STATE] = _DONE
+        entry = self._entry
+        if entry is not None:
+            entry[8] = now
+            entry[9] = _DONE
         self._done = True
-        self._reqs = self._statuses = self._keep = self._finish = None
+        self._reqs = self._statuses = self._keep = None
 
     def _fail(self, exc: DistributedError):
         self._state.end(_status.FAILED, self._entry)
