@@ -107,7 +107,15 @@ THRESHOLDS = {
 #: to MPI: the engine's all_gather copies every byte twice (into the window,
 #: out of it), and from 2 MiB MPICH's own transfer is faster (the engine took
 #: 0.7-0.85 of the MPI path's time at 1 MiB, 1.1-1.7 at 2-4 MiB, 2 ranks).
-CEILINGS = {"all_gather": 1 << 20}
+#:
+#: ``reduce_scatter_crowded`` (bytes of input per rank) applies only on a node
+#: that runs more ranks than it has cores: each of the engine's rounds waits
+#: twice for every rank, and there a wait often lasts a time slice of the
+#: rank that shares the core. With 4 ranks on 2 cores the engine took
+#: 0.55-1.02 of raw MPI's time up to 256 KiB of input but 1.5-2.2x from
+#: 512 KiB, where ferrompi's MPI path took 1.03-1.4x; with 3 ranks 0.2-0.5
+#: up to 384 KiB and 1.4-1.6x from 768 KiB (docs/performance.md).
+CEILINGS = {"all_gather": 1 << 20, "reduce_scatter_crowded": 256 << 10}
 
 #: Bytes of one round in each rank's window (two rounds are kept).
 SLOT_BYTES = 2 << 20
@@ -428,9 +436,10 @@ class NodeEngine:
     the engine does not apply (nodes of unequal sizes).
     """
 
-    def __init__(self, node, rail, slot: int, threads: int = 1) -> None:
+    def __init__(self, node, rail, slot: int, threads: int = 1, crowded: bool = False) -> None:
         self.node = node
         self.rail = rail  # None on a single node
+        self.crowded = crowded  # a node of more ranks than cores (the same on every rank)
         self.size = node.Get_size()
         self.rank = node.Get_rank()
         self.slot = slot
@@ -478,7 +487,10 @@ class NodeEngine:
         rail = None
         if node.Get_size() < size:
             rail = comm.Split(node.Get_rank(), rank)
-        return cls(node, rail, SLOT_BYTES, threads or default_threads(node.Get_size()))
+        # agreed on, since it chooses between the engine and MPI
+        crowded = node.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
+        threads = threads or default_threads(node.Get_size())
+        return cls(node, rail, SLOT_BYTES, threads, crowded)
 
     def _windows_of(self, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's whole window as a 1-D array of ``dtype`` (made once per dtype)."""

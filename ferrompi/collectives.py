@@ -748,7 +748,11 @@ def _reduce_scatter(
     divisor = state.size if mean else 0
     if blocking and x.nbytes >= _shm.LIMITS["reduce_scatter"] and _on_host(x, buf):
         engine = _node_engine(backend, timeout, opcode, x.nbytes)
-        if engine is not None and engine.rail is None:
+        if (
+            engine is not None
+            and engine.rail is None
+            and (not engine.crowded or x.nbytes <= _shm.UPPER_LIMITS["reduce_scatter_crowded"])
+        ):
             seq = state.begin(opcode, -1, x.shape, x.dtype, op, -1, timeout)
             _on_node(
                 state, opcode, seq, lambda d, p: engine.reduce_scatter(x, buf, mop, d, p), timeout

@@ -11,6 +11,7 @@ equal to MPI's own for exact reductions.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -210,6 +211,32 @@ def test_default_thresholds_route_to_the_engine():
         ("allreduce", 32): True,
         ("reduce_scatter", 32): True,
     }
+
+
+def test_a_crowded_node_runs_large_reduce_scatter_through_mpi(monkeypatch):
+    # default limits: on a node of more ranks than cores, a reduce_scatter of
+    # more than CEILINGS["reduce_scatter_crowded"] bytes of input per rank
+    # goes through MPI; with a core per rank every size from 16 KiB runs on
+    # the engine; either way the integer sums are MPI's bit for bit
+    monkeypatch.setattr(_shm, "LIMITS", dict(_shm.THRESHOLDS))
+    monkeypatch.setattr(_shm, "UPPER_LIMITS", dict(_shm.CEILINGS))
+    b = fresh_world()
+    p, r = b.world_size, b.rank
+    fm.allreduce(np.ones(4096), b)  # 32 KiB: builds the engine
+    engine = b._state.shm
+    assert engine.crowded is (engine.size > os.cpu_count())
+    ceiling = _shm.CEILINGS["reduce_scatter_crowded"]
+    ran = []
+    for crowded in (True, False):
+        engine.crowded = crowded  # on every rank alike
+        for nbytes in (ceiling, 2 * ceiling):
+            x = rank_data(r, (nbytes // 8 // p * p,), np.int64, seed=nbytes)
+            mpi = np.empty(x.size // p, np.int64)
+            b.comm.Reduce_scatter_block(x, mpi, MPI.SUM)
+            rounds = engine_rounds(b)
+            np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
+            ran.append(engine_rounds(b) > rounds)
+    assert ran == [True, False, True, True]
 
 
 def test_default_all_gather_window():
