@@ -1014,19 +1014,16 @@ def all_to_all_single_uneven(
         state.fail_before_start(opcode)
         raise
     row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
-    header = _split_table(size)[0].pack(
-        *send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char), out_rows
-    )
-    table = bytearray(len(header) * size)
+    header = (*send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char), out_rows)
     seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
     try:
-        req = state.comm.Iallgather([header, _INT64], [table, _INT64])
+        if size < PAIRWISE_CHECK_FROM:
+            received, problems = _gathered_check(state, opcode, seq, header, timeout)
+        else:
+            received, problems = _pairwise_check(state, opcode, seq, header, timeout)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    wait_step(state, opcode, seq, req, timeout)
-
-    received, problems = _uneven_check(table, size, state.rank)
     if problems:
         state.end(_status.FAILED)
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
@@ -1116,6 +1113,66 @@ def _split_table(size: int) -> tuple[struct.Struct, struct.Struct]:
     """
     width = 2 * size + 3
     return struct.Struct(f"={width}q"), struct.Struct(f"={size * width}q")
+
+
+#: Group size from which the uneven all-to-all checks its splits pairwise
+#: (:func:`_pairwise_check`: an ``Ialltoall`` of 4 words per pair, then an
+#: ``Iallreduce`` of one flag) instead of gathering every rank's whole row
+#: (:func:`_gathered_check`), which moves ``p * (2p + 3) * 8`` bytes to every
+#: rank: 4.2 MB at 512 ranks. With the network of the scaling model
+#: (docs/performance.md: 2 us a message, 12.5 GB/s per node link, 8 ranks a
+#: node), moving the gathered table costs about 55 us at 64 ranks and 2.7 ms
+#: at 512, the pairwise exchanges about 30 us and 100 us; at 16 ranks, 11 us
+#: against 17. Packing and checking a gathered table took 20 / 31 / 60 /
+#: 670 us at 16 / 64 / 128 / 512 ranks on one core here, the pairwise
+#: check's numpy 20 / 26 / 31 / 52 us (at 2 ranks the pairwise check made
+#: the whole call 34-37 us slower: two collectives and fixed numpy costs).
+PAIRWISE_CHECK_FROM = 64
+
+
+def _gathered_check(state, opcode: int, seq: int, header: tuple, timeout) -> tuple[list, list]:
+    """Gather every rank's split-table row (``header``); :func:`_uneven_check` of the table."""
+    size = state.size
+    row = _split_table(size)[0].pack(*header)
+    table = bytearray(len(row) * size)
+    req = state.comm.Iallgather([row, _INT64], [table, _INT64])
+    wait_step(state, opcode, seq, req, timeout)
+    return _uneven_check(table, size, state.rank)
+
+
+def _pairwise_check(state, opcode: int, seq: int, header: tuple, timeout) -> tuple[list, list]:
+    """:func:`_gathered_check` for large groups, moving ``O(p)`` words per rank.
+
+    Each rank sends each peer what concerns the pair (the rows it sends
+    there, the rows it expects from there, its row size and dtype) and
+    checks both directions of its pairs, its row size and dtype, and its
+    ``out``; one flag reduction tells every rank whether any rank found a
+    misfit. Only then is the whole table gathered, so that every rank
+    raises with the same list of every misfit.
+    """
+    size = state.size
+    values = np.array(header, np.int64)
+    mine = np.empty((size, 4), np.int64)
+    mine[:, 0] = values[:size]  # rows this rank sends to each rank
+    mine[:, 1] = values[size : 2 * size]  # rows it expects from each (-1: theirs)
+    mine[:, 2:] = values[2 * size : 2 * size + 2]  # elements per row, dtype code
+    theirs = np.empty_like(mine)
+    wait_step(
+        state, opcode, seq, state.comm.Ialltoall([mine, 4, _INT64], [theirs, 4, _INT64]), timeout
+    )
+    received, expects, out_rows = theirs[:, 0], mine[:, 1], int(values[-1])
+    misfit = (
+        ((expects >= 0) & (expects != received)).any()
+        or ((theirs[:, 1] >= 0) & (theirs[:, 1] != mine[:, 0])).any()
+        or (theirs[:, 2:] != mine[:, 2:]).any()
+        or 0 <= out_rows != received.sum()
+    )
+    flag, anywhere = np.array([int(misfit)], np.int64), np.empty(1, np.int64)
+    req = state.comm.Iallreduce([flag, 1, _INT64], [anywhere, 1, _INT64], MPI.MAX)
+    wait_step(state, opcode, seq, req, timeout)
+    if anywhere[0]:
+        return _gathered_check(state, opcode, seq, header, timeout)
+    return received.tolist(), []
 
 
 _VECTOR_CHECK_FROM = 16

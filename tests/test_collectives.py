@@ -497,6 +497,30 @@ def test_uneven_large_groups_check_tables_with_numpy(size):
     fm.SimulatedBackend.run(size, _uneven_out_rows)
 
 
+@pytest.mark.parametrize("size", [5, 17])
+def test_uneven_pairwise_check_in_larger_groups(size, monkeypatch):
+    monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 5)
+    for pass_recv in (True, False):
+        fm.SimulatedBackend.run(size, _uneven, size, (2,), pass_recv)
+    fm.SimulatedBackend.run(size, _uneven_disagreeing_recv_splits)
+    fm.SimulatedBackend.run(size, _uneven_row_shape_mismatch)
+    fm.SimulatedBackend.run(size, _uneven_dtype_mismatch)
+    fm.SimulatedBackend.run(size, _uneven_some_ranks_take_the_peers_splits)
+    fm.SimulatedBackend.run(size, _uneven_out_rows)
+
+
+def test_uneven_pairwise_check(multigroup, monkeypatch):
+    """Large groups check their splits pairwise; results and errors are the same."""
+    monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 1)
+    for pass_recv in (True, False):
+        multigroup.run(_uneven, 1, (3,), pass_recv)
+    multigroup.run(_uneven_disagreeing_recv_splits)
+    multigroup.run(_uneven_row_shape_mismatch)
+    multigroup.run(_uneven_dtype_mismatch)
+    multigroup.run(_uneven_some_ranks_take_the_peers_splits)
+    multigroup.run(_uneven_out_rows)
+
+
 def _uneven_local_errors(b):
     size = b.world_size
     with pytest.raises(
