@@ -1167,10 +1167,7 @@ def _pairwise_check(state, opcode: int, seq: int, header: tuple, timeout) -> tup
         or (theirs[:, 2:] != mine[:, 2:]).any()
         or 0 <= out_rows != received.sum()
     )
-    flag, anywhere = np.array([int(misfit)], np.int64), np.empty(1, np.int64)
-    req = state.comm.Iallreduce([flag, 1, _INT64], [anywhere, 1, _INT64], MPI.MAX)
-    wait_step(state, opcode, seq, req, timeout)
-    if anywhere[0]:
+    if _anywhere(state, opcode, seq, misfit, timeout):
         return _gathered_check(state, opcode, seq, header, timeout)
     return received.tolist(), []
 
@@ -1336,15 +1333,21 @@ def all_gather_v(
     header[3] = x.ndim
     if given is not None:
         header[4:] = given
-    table = np.empty((size, header.size), dtype=np.int64)
-    hdt = datatype_of(header, name)
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
-        req = state.comm.Iallgather([header, header.size, hdt], [table, header.size, hdt])
+        if size < PAIRWISE_CHECK_FROM:
+            table = _gathered_headers(state, opcode, seq, header, header.size, timeout)
+        else:  # the counts are checked where they were given: O(p) words a rank
+            table = _gathered_headers(state, opcode, seq, header, 4, timeout)
+            mine = header[4:]
+            misfit = (table[:, 1:] != header[1:4]).any() or (
+                mine[0] >= 0 and (mine != table[:, 0]).any()
+            )
+            if _anywhere(state, opcode, seq, misfit, timeout):
+                table = _gathered_headers(state, opcode, seq, header, header.size, timeout)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
-    wait_step(state, opcode, seq, req, timeout)
     problems = _gather_problems(table)
     if problems:
         state.end(_status.FAILED)
@@ -1352,8 +1355,27 @@ def all_gather_v(
     return _start_all_gather_v(backend, opcode, seq, x, table[:, 0], timeout, True, like)
 
 
+def _gathered_headers(state, opcode: int, seq: int, header, width: int, timeout) -> np.ndarray:
+    """Every rank's first ``width`` words of ``header`` (int64), one row per rank."""
+    table = np.empty((state.size, width), dtype=np.int64)
+    req = state.comm.Iallgather([header[:width], _INT64], [table, _INT64])
+    wait_step(state, opcode, seq, req, timeout)
+    return table
+
+
+def _anywhere(state, opcode: int, seq: int, flag: bool, timeout) -> bool:
+    """Whether ``flag`` is true on any rank (one ``Iallreduce``; a step of collective ``seq``)."""
+    mine, anywhere = np.array([int(flag)], np.int64), np.empty(1, np.int64)
+    req = state.comm.Iallreduce([mine, 1, _INT64], [anywhere, 1, _INT64], MPI.MAX)
+    wait_step(state, opcode, seq, req, timeout)
+    return bool(anywhere[0])
+
+
 def _gather_problems(table: np.ndarray) -> list[str]:
-    """Every disagreement in the gathered all_gather_v headers, the same on every rank."""
+    """Every disagreement in the gathered all_gather_v headers, the same on every rank.
+
+    A table of 4 columns (the pairwise check found no misfit) has no counts to compare.
+    """
     rows, row, dtypes, ndims = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
     if (row != row[0]).any() or (dtypes != dtypes[0]).any() or (ndims != ndims[0]).any():
         each = ", ".join(
@@ -1362,7 +1384,7 @@ def _gather_problems(table: np.ndarray) -> list[str]:
         )
         return [f"ranks disagree on the row shape or dtype (rows of {each})"]
     problems = []
-    for r, claimed in enumerate(table[:, 4:]):
+    for r, claimed in enumerate(table[:, 4:] if table.shape[1] > 4 else ()):
         if claimed[0] < 0:
             continue
         wrong = [j for j in range(len(table)) if claimed[j] != rows[j]]

@@ -7,6 +7,7 @@ its own result against a numpy reference without communicating.
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -703,6 +704,38 @@ def test_all_gather_v_wrong_counts_raise_on_every_rank(group):
     n = group.size
     for message in group.run(_gather_v, True, True):
         assert message is not None and f"ranks hold {[j % 3 for j in range(n)]} rows" in message
+
+
+def _gather_v_disagreeing(b):
+    """Ranks that disagree on the counts or the row shape raise on every rank."""
+    n, r = b.world_size, b.rank
+    counts = [j % 3 for j in range(n)]
+    wrong = [counts[0] + 1, *counts[1:]]  # only the last rank passes it
+    with pytest.raises(fm.InvalidArgument, match=re.escape(f"rank {n - 1} passed counts {wrong}")):
+        x = rank_data(r, (r % 3, 2), np.int32)
+        fm.all_gather_v(x, wrong if r == n - 1 else counts, b, timeout=10)
+    x = np.zeros((1, 3 if r == 0 else 2))
+    with pytest.raises(fm.InvalidArgument, match="disagree on the row shape"):
+        fm.all_gather_v(x, None, b, timeout=10)
+    np.testing.assert_array_equal(fm.allreduce(np.ones(1), b), [n])
+
+
+def test_all_gather_v_disagreements(multigroup):
+    multigroup.run(_gather_v_disagreeing)
+
+
+@pytest.mark.parametrize("size", [None, 5, 17])
+def test_all_gather_v_pairwise_check(group, size, monkeypatch):
+    """From PAIRWISE_CHECK_FROM ranks the counts are checked where they were given."""
+    monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 1)
+    run = group.run if size is None else functools.partial(fm.SimulatedBackend.run, size)
+    for given in (True, False):
+        assert set(run(_gather_v, False, given)) == {None}
+    n = group.size if size is None else size
+    for message in run(_gather_v, True, True):
+        assert message is not None and f"ranks hold {[j % 3 for j in range(n)]} rows" in message
+    if n > 1:
+        run(_gather_v_disagreeing)
 
 
 def _to_all_v(b, wrong: bool):
