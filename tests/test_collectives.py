@@ -485,41 +485,37 @@ def test_uneven_check_skips_ranks_without_recv_splits(multigroup):
     multigroup.run(_uneven_some_ranks_take_the_peers_splits)
 
 
+def _every_uneven_case(run, seed: int, row_shape: tuple) -> None:
+    """Both forms of the uneven all-to-all, and each misfit, through ``run(fn, *args)``."""
+    for pass_recv in (True, False):
+        run(_uneven, seed, row_shape, pass_recv)
+    for misfit in (
+        _uneven_disagreeing_recv_splits,
+        _uneven_row_shape_mismatch,
+        _uneven_dtype_mismatch,
+        _uneven_some_ranks_take_the_peers_splits,
+        _uneven_out_rows,
+    ):
+        run(misfit)
+
+
 @pytest.mark.parametrize("size", [16, 19])
 def test_uneven_large_groups_check_tables_with_numpy(size):
     """From 16 ranks the split tables are compared with numpy before the pair-by-pair loop."""
     assert size >= fm.collectives._VECTOR_CHECK_FROM
-    for pass_recv in (True, False):
-        fm.SimulatedBackend.run(size, _uneven, size, (2,), pass_recv)
-    fm.SimulatedBackend.run(size, _uneven_disagreeing_recv_splits)
-    fm.SimulatedBackend.run(size, _uneven_row_shape_mismatch)
-    fm.SimulatedBackend.run(size, _uneven_dtype_mismatch)
-    fm.SimulatedBackend.run(size, _uneven_some_ranks_take_the_peers_splits)
-    fm.SimulatedBackend.run(size, _uneven_out_rows)
+    _every_uneven_case(functools.partial(fm.SimulatedBackend.run, size), size, (2,))
 
 
 @pytest.mark.parametrize("size", [5, 17])
 def test_uneven_pairwise_check_in_larger_groups(size, monkeypatch):
     monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 5)
-    for pass_recv in (True, False):
-        fm.SimulatedBackend.run(size, _uneven, size, (2,), pass_recv)
-    fm.SimulatedBackend.run(size, _uneven_disagreeing_recv_splits)
-    fm.SimulatedBackend.run(size, _uneven_row_shape_mismatch)
-    fm.SimulatedBackend.run(size, _uneven_dtype_mismatch)
-    fm.SimulatedBackend.run(size, _uneven_some_ranks_take_the_peers_splits)
-    fm.SimulatedBackend.run(size, _uneven_out_rows)
+    _every_uneven_case(functools.partial(fm.SimulatedBackend.run, size), size, (2,))
 
 
 def test_uneven_pairwise_check(multigroup, monkeypatch):
     """Large groups check their splits pairwise; results and errors are the same."""
     monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 1)
-    for pass_recv in (True, False):
-        multigroup.run(_uneven, 1, (3,), pass_recv)
-    multigroup.run(_uneven_disagreeing_recv_splits)
-    multigroup.run(_uneven_row_shape_mismatch)
-    multigroup.run(_uneven_dtype_mismatch)
-    multigroup.run(_uneven_some_ranks_take_the_peers_splits)
-    multigroup.run(_uneven_out_rows)
+    _every_uneven_case(multigroup.run, 1, (3,))
 
 
 def _uneven_local_errors(b):
