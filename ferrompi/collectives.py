@@ -841,12 +841,14 @@ def _all_to_all(
     name = _status.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        like, x = x, as_input(x, name, state.comm)
-        _rows_divisible(x, state.size, name)
-        dt = plain_pair(x, out, x.shape)
+        dt = None
+        if type(x) is _ndarray and x.ndim and not x.shape[0] % state.size:
+            dt = plain_pair(x, out, x.shape)  # plain numpy with a separate out: one check
         if dt is not None:
             result = buf = out
         else:
+            like, x = x, as_input(x, name, state.comm)
+            _rows_divisible(x, state.size, name)
             dt = datatype_of(x, name)
             result, buf = output(out, x.shape, x.dtype, name, like, state.comm)
             x = _separate(x, buf, out)
@@ -854,7 +856,7 @@ def _all_to_all(
         state.fail_before_start(opcode)
         raise
     block = x.size // state.size
-    seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
+    seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
     try:
         req = state.comm.Ialltoall([x, block, dt], [buf, block, dt])
     except MPI.Exception as exc:
