@@ -1459,7 +1459,17 @@ def reduce_scatter_v(
 ):
     """Reduce across ranks, then rank ``r`` keeps the next ``counts[r]`` rows (``Ireduce_scatter``).
 
-    Every rank passes the same ``counts`` (summing to ``x.shape[0]``).
+    Every rank passes the same ``counts`` (summing to ``x.shape[0]``). The
+    ranks first compare their counts (one ``Iallreduce`` of ``2 p`` words),
+    so counts that differ raise on every rank instead of scattering rows
+    that MPI would reduce and cut at different places on different ranks.
+
+    Raises
+    ------
+    InvalidArgument
+        Before communicating, when ``counts`` do not sum to ``x.shape[0]``;
+        after the comparison, on every rank, when ranks passed different
+        counts (the message gives each rank's).
 
     Examples
     --------
@@ -1468,6 +1478,17 @@ def reduce_scatter_v(
     >>> fm.SimulatedBackend.run(2, lambda b: reduce_scatter_v(np.arange(3), [2, 1], b))
     [array([0, 2]), array([4])]
     """
+    return _reduce_scatter_v(x, counts, backend, op, timeout, checked=True)
+
+
+def reduce_rows(x, counts, backend: Backend, op: ReduceOp = ReduceOp.SUM, timeout: Timeout = None):
+    """:func:`reduce_scatter_v` without comparing the counts, for callers whose
+    counts are derived from shared metadata (DTensor, FSDP): one ``Ireduce_scatter``.
+    """
+    return _reduce_scatter_v(x, counts, backend, op, timeout, checked=False)
+
+
+def _reduce_scatter_v(x, counts, backend: Backend, op, timeout, checked: bool):
     state = backend._state
     opcode = _OP["reduce_scatter_v"]
     name = "reduce_scatter_v"
@@ -1491,6 +1512,8 @@ def reduce_scatter_v(
     rcounts = counts * row
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, op=op, timeout=timeout)
     try:
+        if checked:
+            _same_counts(state, opcode, seq, counts, timeout)
         req = state.comm.Ireduce_scatter([x, x.size, dt], [buf, buf.size, dt], rcounts, mop)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
@@ -1498,6 +1521,27 @@ def reduce_scatter_v(
     divisor = state.size if mean else 0
     keep = (x, rcounts)
     return _conclude(True, state, opcode, seq, req, result, buf, divisor, keep, timeout)
+
+
+def _same_counts(state, opcode: int, seq: int, counts: np.ndarray, timeout) -> None:
+    """Raise :class:`InvalidArgument` on every rank unless every rank passed ``counts``.
+
+    One ``Iallreduce`` (MAX) of the counts and their negatives gives each
+    count's largest and smallest value across the ranks; only when they
+    differ are the counts gathered, to name each rank's.
+    """
+    size = state.size
+    both = np.concatenate((counts, -counts))
+    extremes = np.empty_like(both)
+    req = state.comm.Iallreduce([both, _INT64], [extremes, _INT64], MPI.MAX)
+    wait_step(state, opcode, seq, req, timeout)
+    if (extremes[:size] == -extremes[size:]).all():
+        return
+    table = np.empty((size, size), np.int64)
+    wait_step(state, opcode, seq, state.comm.Iallgather([counts, _INT64], [table, _INT64]), timeout)
+    state.end(_status.FAILED)
+    each = ", ".join(f"rank {r}: {table[r].tolist()}" for r in range(size))
+    raise InvalidArgument(f"{_status.OPS[opcode]}: the ranks passed different counts ({each})")
 
 
 def all_to_all_v(

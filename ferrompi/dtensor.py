@@ -357,7 +357,7 @@ class DTensor:
                 counts = [b - a for a, b in (chunk_range(extent, k, j) for j in range(k))]
                 if isinstance(current[m], Partial):
                     moved = xp.moveaxis(local, d, 0)
-                    part = collectives.reduce_scatter_v(moved, counts, group, current[m].op)
+                    part = collectives.reduce_rows(moved, counts, group, current[m].op)
                     local = xp.ascontiguousarray(xp.moveaxis(part, 0, d))
                 else:
                     a, b = chunk_range(extent, group.world_size, coords[m])

@@ -734,6 +734,31 @@ def test_all_gather_v_pairwise_check(group, size, monkeypatch):
         run(_gather_v_disagreeing)
 
 
+def _scatter_v(b):
+    """reduce_scatter_v against numpy; counts that differ between ranks raise on every rank."""
+    n, r = b.world_size, b.rank
+    counts = [(j % 3) + 1 for j in range(n)]
+    inputs = [rank_data(j, (sum(counts), 2), np.int64, seed=3) for j in range(n)]
+    total = sum(inputs)
+    start = sum(counts[:r])
+    np.testing.assert_array_equal(
+        fm.reduce_scatter_v(inputs[r], counts, b), total[start : start + counts[r]]
+    )
+    if n == 1:
+        return
+    mine = counts if r else [counts[0] + 1, counts[1] - 1, *counts[2:]]  # same sum
+    with pytest.raises(fm.InvalidArgument) as info:
+        fm.reduce_scatter_v(inputs[r], mine, b, timeout=10)
+    assert f"rank 0: {[counts[0] + 1, counts[1] - 1, *counts[2:]]}, rank 1: {counts}" in str(
+        info.value
+    )
+    np.testing.assert_array_equal(fm.allreduce(np.ones(1), b), [n])
+
+
+def test_reduce_scatter_v(group):
+    group.run(_scatter_v)
+
+
 def _to_all_v(b, wrong: bool):
     n, r = b.world_size, b.rank
     send = [(r + j) % 3 for j in range(n)]

@@ -305,7 +305,7 @@ class FullyShardedDataParallel:
         flat = np.concatenate([grads[s].reshape(-1) for s in unit.short])
         flat = flat.astype(unit.dtype, copy=False)
         if self.shard_group is not None:
-            flat = collectives.reduce_scatter_v(flat, unit.counts, self.shard_group, ReduceOp.MEAN)
+            flat = collectives.reduce_rows(flat, unit.counts, self.shard_group, ReduceOp.MEAN)
         if self.replicate_group is not None:
             flat = collectives.allreduce(flat, self.replicate_group, ReduceOp.MEAN, out=flat)
         self.grads[key] += flat
