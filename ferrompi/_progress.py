@@ -281,8 +281,8 @@ class CommState:
 
     def end(self, state: int = _status.DONE, entry: list | None = None) -> None:
         rec = self.rec
-        rec[_status.T_END] = now = time.monotonic_ns()
-        rec[_status.STATE] = state
+        rec[_W_T_END] = now = _monotonic_ns()
+        rec[_W_STATE] = state
         entry = self.last if entry is None else entry
         if entry is not None:
             entry[8] = now
@@ -629,13 +629,7 @@ class PendingCollective:
             except DistributedError as exc:
                 self._fail(exc)
             self._finish = None
-        rec = self._state.rec
-        rec[_W_T_END] = now = _monotonic_ns()
-        rec[_W_STATE] = _DONE
-        entry = self._entry
-        if entry is not None:
-            entry[8] = now
-            entry[9] = _DONE
+        self._state.end(_DONE, self._entry)
         self._done = True
         self._reqs = self._statuses = self._keep = None
 
