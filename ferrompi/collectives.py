@@ -1338,15 +1338,15 @@ def all_gather_v(
     seq = state.begin(opcode, shape=x.shape, dtype=x.dtype, timeout=timeout)
     try:
         if size < PAIRWISE_CHECK_FROM:
-            table = _gathered_headers(state, opcode, seq, header, header.size, timeout)
+            table = _gather_words(state, opcode, seq, header, header.size, timeout)
         else:  # the counts are checked where they were given: O(p) words a rank
-            table = _gathered_headers(state, opcode, seq, header, 4, timeout)
+            table = _gather_words(state, opcode, seq, header, 4, timeout)
             mine = header[4:]
             misfit = (table[:, 1:] != header[1:4]).any() or (
                 mine[0] >= 0 and (mine != table[:, 0]).any()
             )
             if _anywhere(state, opcode, seq, misfit, timeout):
-                table = _gathered_headers(state, opcode, seq, header, header.size, timeout)
+                table = _gather_words(state, opcode, seq, header, header.size, timeout)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error(name, exc) from None
@@ -1357,10 +1357,10 @@ def all_gather_v(
     return _start_all_gather_v(backend, opcode, seq, x, table[:, 0], timeout, True, like)
 
 
-def _gathered_headers(state, opcode: int, seq: int, header, width: int, timeout) -> np.ndarray:
-    """Every rank's first ``width`` words of ``header`` (int64), one row per rank."""
+def _gather_words(state, opcode: int, seq: int, words, width: int, timeout) -> np.ndarray:
+    """Every rank's first ``width`` int64 of ``words``, one row per rank (a step of ``seq``)."""
     table = np.empty((state.size, width), dtype=np.int64)
-    req = state.comm.Iallgather([header[:width], _INT64], [table, _INT64])
+    req = state.comm.Iallgather([words[:width], _INT64], [table, _INT64])
     wait_step(state, opcode, seq, req, timeout)
     return table
 
@@ -1537,8 +1537,7 @@ def _same_counts(state, opcode: int, seq: int, counts: np.ndarray, timeout) -> N
     wait_step(state, opcode, seq, req, timeout)
     if (extremes[:size] == -extremes[size:]).all():
         return
-    table = np.empty((size, size), np.int64)
-    wait_step(state, opcode, seq, state.comm.Iallgather([counts, _INT64], [table, _INT64]), timeout)
+    table = _gather_words(state, opcode, seq, counts, size, timeout)
     state.end(_status.FAILED)
     each = ", ".join(f"rank {r}: {table[r].tolist()}" for r in range(size))
     raise InvalidArgument(f"{_status.OPS[opcode]}: the ranks passed different counts ({each})")
