@@ -426,6 +426,57 @@ def test_uneven_all_to_all_large_blocks(group):
         group.run(_uneven_large_blocks, seed)
 
 
+_ALLTOALLV_STARTS: list[int] = []  # the rank of each Ialltoallv started, while counted
+
+
+def _uneven_inline_boundary(b, over_rank: int) -> int:
+    """Every rank's rows fill its table record exactly, but ``over_rank``'s have one more.
+
+    Returns how many ``Ialltoallv`` this rank started.
+    """
+    size, rank = b.world_size, b.rank
+    room = fm.collectives._table_layout(size).room
+    rows = [room // 8 + (s == over_rank) for s in range(size)]  # 8-byte rows
+    splits = [[n // size] * (size - 1) + [n - n // size * (size - 1)] for n in rows]
+    inputs = [rank_data(s, (rows[s],), np.float64, seed=7) for s in range(size)]
+    offsets = [np.concatenate([[0], np.cumsum(splits[s])]) for s in range(size)]
+    expected = np.concatenate(
+        [inputs[s][offsets[s][rank] : offsets[s][rank + 1]] for s in range(size)]
+    )
+    started = _ALLTOALLV_STARTS.count(rank)
+    got = fm.all_to_all_single_uneven(inputs[rank], splits[rank], None, b)
+    np.testing.assert_array_equal(got, expected)
+    return _ALLTOALLV_STARTS.count(rank) - started
+
+
+def test_uneven_rows_travel_in_the_table_records_when_every_rank_s_fit(multigroup, monkeypatch):
+    start = fm.collectives._start_alltoallv
+
+    def counted(state, *args):
+        _ALLTOALLV_STARTS.append(state.rank)
+        return start(state, *args)
+
+    monkeypatch.setattr(fm.collectives, "_start_alltoallv", counted)
+    assert set(multigroup.run(_uneven_inline_boundary, -1)) == {0}  # one exchange
+    # one rank's rows do not fit: every rank's rows go through Ialltoallv
+    assert set(multigroup.run(_uneven_inline_boundary, multigroup.size - 1)) == {1}
+    assert set(multigroup.run(_uneven_to_rank_0)) == {0}
+
+
+def _uneven_to_rank_0(b) -> int:
+    """Inline rows where every rank but rank 0 receives none."""
+    size, rank = b.world_size, b.rank
+    x = rank_data(rank, (3, 2), np.int32, seed=3)
+    started = _ALLTOALLV_STARTS.count(rank)
+    got = fm.all_to_all_single_uneven(x, [3] + [0] * (size - 1), None, b)
+    if rank == 0:
+        expected = np.concatenate([rank_data(s, (3, 2), np.int32, seed=3) for s in range(size)])
+        np.testing.assert_array_equal(got, expected)
+    else:
+        assert got.shape == (0, 2)
+    return _ALLTOALLV_STARTS.count(rank) - started
+
+
 def _uneven_disagreeing_recv_splits(b):
     size, rank = b.world_size, b.rank
     send = [1] * size
