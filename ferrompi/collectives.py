@@ -949,8 +949,9 @@ def all_to_all_single_uneven(
 
     The ranks first exchange their split tables (one small all-gather), so
     that every rank checks every pair before any payload moves. Small host
-    inputs (up to :data:`INLINE_TABLE_BYTES` divided among the ranks) travel
-    in that same all-gather when every rank's fit: one exchange in all.
+    inputs (up to 960 bytes at 2 ranks, 928 at 4, 352 at 8: see
+    :data:`INLINE_TABLE_BYTES`) travel in that same all-gather when every
+    rank's fit: one exchange in all.
 
     Parameters
     ----------
@@ -1075,15 +1076,18 @@ def _host_rows(like, out) -> bool:
 
 
 #: Bytes the uneven all-to-all gathers from every rank in its table exchange
-#: (:func:`_gathered_check`), in all. Each rank's record (``INLINE_TABLE_BYTES
-#: // size`` bytes, at least its split-table row) holds its row and, when
-#: they fit in the rest, all the rows of its input. When every rank's fit,
-#: that one ``Iallgather`` is the whole exchange: no ``Ialltoallv`` follows,
-#: one round of messages instead of two. Room for 1984 bytes of rows at 2
-#: ranks, 928 at 4, 352 at 8, none from 15 ranks on. Host arrays only. Raw
-#: MPI with 2 ranks here: an ``Iallgather`` of 2 KiB records took 5.1-5.5
-#: us, of bare 56-byte rows 4.7-5.3 us; a 1 KiB ``Ialltoallv`` 6.7-7.2 us.
+#: (:func:`_gathered_check`), in all, and at most per rank. Each rank's record
+#: (``min(INLINE_RECORD_BYTES, INLINE_TABLE_BYTES // size)`` bytes, at least
+#: its split-table row) holds its row and, when they fit in the rest, all the
+#: rows of its input. When every rank's fit, that one ``Iallgather`` is the
+#: whole exchange: no ``Ialltoallv`` follows, one round of messages instead of
+#: two. Room for 960 bytes of rows at 2 ranks, 928 at 4, 352 at 8, none from
+#: 15 ranks on. Host arrays only. Raw MPI with 2 ranks here: an ``Iallgather``
+#: of 2 KiB records took 5.1-5.5 us, of bare 56-byte rows 4.7-5.3 us; a 1 KiB
+#: ``Ialltoallv`` 6.7-7.2 us. Records of 2 KiB rather than 1 KiB made 16-64
+#: KiB calls, whose rows go through the ``Ialltoallv``, 0.2-1.0 us slower.
 INLINE_TABLE_BYTES = 4096
+INLINE_RECORD_BYTES = 1024
 
 
 #: Bytes from which a rank copies its own block of an all-to-all-v itself,
@@ -1155,9 +1159,9 @@ class _TableLayout(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def _table_layout(size: int) -> _TableLayout:
-    """The records of a group of ``size`` ranks: :data:`INLINE_TABLE_BYTES` in all."""
+    """The records of a group of ``size`` ranks (:data:`INLINE_TABLE_BYTES`)."""
     width = 2 * size + 4
-    stride = max(8 * width, INLINE_TABLE_BYTES // size // 8 * 8)
+    stride = max(8 * width, min(INLINE_RECORD_BYTES, INLINE_TABLE_BYTES // size) // 8 * 8)
     room = stride - 8 * width
     return _TableLayout(
         struct.Struct(f"={width}q"),
