@@ -487,8 +487,8 @@ class NodeEngine:
         rail = None
         if node.Get_size() < size:
             rail = comm.Split(node.Get_rank(), rank)
-        # agreed on, since it chooses between the engine and MPI
-        crowded = node.allreduce(node.Get_size() > (os.cpu_count() or 1), op=MPI.LOR)
+        # the same on every rank of the node, since it chooses between the engine and MPI
+        crowded = node.Get_size() > _status.node_cpus(node)
         threads = threads or default_threads(node.Get_size())
         return cls(node, rail, SLOT_BYTES, threads, crowded)
 

@@ -99,10 +99,14 @@ class Board:
         board in one process needs none.
     """
 
-    def __init__(self, rows: dict[int, np.ndarray], keepalive: object = None, fence=None) -> None:
+    def __init__(
+        self, rows: dict[int, np.ndarray], keepalive: object = None, fence=None, cpus: int = 0
+    ) -> None:
         self.rows = rows
         self._keepalive = keepalive
         self.fence = _no_fence if fence is None else fence
+        #: The CPUs the node's ranks may run on together (:func:`node_cpus`); 0: not known.
+        self.cpus = cpus
 
     @classmethod
     def local(cls, n: int) -> Board:
@@ -127,7 +131,26 @@ class Board:
             rows[world_rank] = np.frombuffer(buf, dtype=np.int64, count=REC_WORDS)
         win.Sync()
         node.Barrier()  # every record is zeroed before anyone reads it
-        return cls(rows, (win, node), win.Sync)
+        return cls(rows, (win, node), win.Sync, node_cpus(node))
+
+
+def node_cpus(node) -> int:
+    """The CPUs that the ranks of ``node``, one node's communicator, may run on together.
+
+    The union of the ranks' affinity masks (``os.sched_getaffinity``): each
+    mask is the whole machine unless the launcher binds the ranks (Slurm's
+    ``--cpu-bind``, ``mpiexec -bind-to core``), and then a node of ranks
+    bound to a core each has as many CPUs as ranks, although each rank sees
+    one. Collective over ``node``; the same number on each of its ranks.
+    """
+    try:
+        mine = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        mine = range(os.cpu_count() or 1)
+    mask = 0
+    for cpu in mine:
+        mask |= 1 << cpu
+    return bin(node.allreduce(mask, op=MPI.BOR)).count("1")
 
 
 def _no_fence() -> None:
@@ -201,8 +224,9 @@ _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
 #: Tests a point-to-point wait makes before it starts yielding its core
-#: (``sched_yield``): 16 when this node runs more ranks than this process
-#: has cores (a spinning rank would hold a core its peer needs), else 512
+#: (``sched_yield``): 16 when this node runs more ranks than its ranks have
+#: CPUs (:func:`node_cpus`; a spinning rank would hold a core its peer
+#: needs), else 512
 #: (about 150 us): short waits spin, as MPI's own blocking calls do, and do not
 #: hand the core to unrelated processes; long ones yield, so that a peer the
 #: kernel descheduled (other load on the machine) gets a core to finish on.
@@ -271,16 +295,14 @@ def spin_until(done, deadline: float, probe=None, collective: bool = True) -> bo
     return True
 
 
-def _yield_policy(node_ranks: int) -> tuple[int, int, int]:
-    """``(yield_after, collective_yield_after, yield_every)`` for a node of ``node_ranks`` ranks."""
+def _yield_policy(node_ranks: int, cpus: int) -> tuple[int, int, int]:
+    """``(yield_after, collective_yield_after, yield_every)`` for a node of
+    ``node_ranks`` ranks that run on ``cpus`` CPUs together (:func:`node_cpus`).
+    """
     forced = os.environ.get("FERROMPI_YIELD", "").strip()
     if forced in ("0", "1"):
         return (16, 4, 1) if forced == "1" else (1 << 62, 1 << 62, 1)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return (16, 4, 1) if node_ranks > cores else (512, 512, 1024)
+    return (16, 4, 1) if node_ranks > cpus else (512, 512, 1024)
 
 
 def process_participant(create_board: bool = False) -> Participant:
@@ -296,7 +318,7 @@ def process_participant(create_board: bool = False) -> Participant:
         shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
         if create_board and not shared and MPI.COMM_WORLD.size > 1:
             _PROCESS = Participant(Board.for_mpi_world(), MPI.COMM_WORLD.rank, os.getpid())
-            policy = _yield_policy(len(_PROCESS.board.rows))
+            policy = _yield_policy(len(_PROCESS.board.rows), _PROCESS.board.cpus)
             yield_after, collective_yield_after, yield_every = policy
             quick_tests = range(min(64, yield_after))
             collective_quick_tests = range(min(64, collective_yield_after))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -180,20 +183,75 @@ def test_invalid_environment_timeout_fails_at_first_use_not_import():
 
 
 @pytest.mark.parametrize(
-    ("forced", "node_ranks", "expected"),
+    ("forced", "node_ranks", "cpus", "expected"),
     [
-        ("", 1, (512, 512, 1024)),  # fewer ranks than cores: spin, then yield now and then
-        # more ranks than cores: yield soon, at every test; sooner in collectives
-        ("", 10_000, (16, 4, 1)),
-        ("1", 1, (16, 4, 1)),
-        ("0", 10_000, (1 << 62, 1 << 62, 1)),  # never
+        ("", 1, 2, (512, 512, 1024)),  # fewer ranks than CPUs: spin, then yield now and then
+        ("", 8, 8, (512, 512, 1024)),  # a CPU per rank (bound ranks see one each)
+        # more ranks than CPUs: yield soon, at every test; sooner in collectives
+        ("", 9, 8, (16, 4, 1)),
+        ("1", 1, 2, (16, 4, 1)),
+        ("0", 10_000, 2, (1 << 62, 1 << 62, 1)),  # never
     ],
 )
-def test_yield_policy(monkeypatch, forced, node_ranks, expected):
+def test_yield_policy(monkeypatch, forced, node_ranks, cpus, expected):
     from ferrompi import _status
 
     monkeypatch.setenv("FERROMPI_YIELD", forced)
-    assert _status._yield_policy(node_ranks) == expected
+    assert _status._yield_policy(node_ranks, cpus) == expected
+
+
+@pytest.fixture
+def restore_affinity():
+    allowed = os.sched_getaffinity(0)
+    yield sorted(allowed)
+    os.sched_setaffinity(0, allowed)
+
+
+def test_node_cpus_counts_what_the_ranks_may_run_on(restore_affinity):
+    from mpi4py import MPI
+
+    from ferrompi import _status
+
+    assert _status.node_cpus(MPI.COMM_SELF) == len(restore_affinity)
+    os.sched_setaffinity(0, restore_affinity[-1:])  # bound to one CPU
+    assert _status.node_cpus(MPI.COMM_SELF) == 1
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to bind 2 ranks")
+def test_ranks_bound_to_a_cpu_each_wait_as_ranks_with_a_cpu_each():
+    """``mpiexec -bind-to core``: each rank sees one CPU, yet the node is not oversubscribed."""
+    mpiexec = pathlib.Path(sys.executable).with_name("mpiexec")
+    code = (
+        "import os, ferrompi as fm; from ferrompi import _status; fm.init(); "
+        "print(len(os.sched_getaffinity(0)), _status.yield_after, _status.collective_yield_after)"
+    )
+    out = subprocess.run(
+        [str(mpiexec), "-n", "2", "-bind-to", "core", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["1 512 512"] * 2  # spin first, as unbound ranks do
+
+
+@pytest.mark.mpi
+def test_node_cpus_of_ranks_bound_to_a_cpu_each(restore_affinity):
+    """Ranks bound to a CPU each see one CPU, but the node has one per rank."""
+    from mpi4py import MPI
+
+    from ferrompi import _status
+
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    size, rank = node.size, node.rank
+    try:
+        unbound = _status.node_cpus(node)
+        os.sched_setaffinity(0, [restore_affinity[rank % len(restore_affinity)]])
+        bound = _status.node_cpus(node)
+    finally:
+        node.Free()
+    assert unbound == len(restore_affinity)
+    assert bound == min(size, len(restore_affinity))
 
 
 def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
