@@ -1021,8 +1021,9 @@ def all_to_all_single_uneven(
         state.fail_before_start(opcode)
         raise
     row = x.size // x.shape[0] if x.shape[0] else int(np.prod(x.shape[1:], dtype=np.int64))
-    layout = _table_layout(size)  # inline: the bytes of x carried in its table record
-    inline = x.nbytes if 0 < layout.room >= x.nbytes and _host_rows(like, out) else -1
+    layout = _table_layout(size)
+    fits = layout.room > 0 and x.nbytes <= layout.room and _host_rows(like, out)
+    inline = x.nbytes if fits else -1  # the bytes of x carried in its table record
     header = (*send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char), out_rows)
     seq = state.begin(opcode, -1, x.shape, x.dtype, None, -1, timeout)
     try:
