@@ -1049,10 +1049,7 @@ def all_to_all_single_uneven(
             raise
     if pieces is not None:  # every rank's rows came with its record: no second exchange
         if buf.size:
-            target, at = memoryview(buf).cast("B"), 0
-            for piece in pieces:
-                target[at : at + len(piece)] = piece
-                at += len(piece)
+            memoryview(buf).cast("B")[:] = b"".join(pieces)
         return _done_on_node(state, result, buf, 0)
     x = _separate(x, buf, out)
     if row == 1:
