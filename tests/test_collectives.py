@@ -375,11 +375,11 @@ def _split_table(size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4, size=(size, size))
 
 
-def _uneven(b, seed, row_shape, pass_recv):
+def _uneven(b, seed, row_shape, pass_recv, dtype=np.float32):
     size, rank = b.world_size, b.rank
     table = _split_table(size, seed)
     inputs = [
-        rank_data(s, (int(table[s].sum()), *row_shape), np.float32, seed=seed) for s in range(size)
+        rank_data(s, (int(table[s].sum()), *row_shape), dtype, seed=seed) for s in range(size)
     ]
     offsets = [np.concatenate([[0], np.cumsum(table[s])]) for s in range(size)]
     expected = np.concatenate(
@@ -396,6 +396,13 @@ def _uneven(b, seed, row_shape, pass_recv):
 def test_uneven_all_to_all(group, row_shape, pass_recv):
     for seed in range(3):
         group.run(_uneven, seed, row_shape, pass_recv)
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.float16, np.complex128])
+def test_uneven_all_to_all_of_other_dtypes(multigroup, dtype):
+    # rows of 1-16 bytes, in the table records (small) and through Ialltoallv (large)
+    for seed, row_shape in [(0, ()), (1, (3,)), (2, (600,))]:
+        multigroup.run(_uneven, seed, row_shape, seed % 2 == 0, dtype)
 
 
 def _uneven_large_blocks(b, seed):
