@@ -270,10 +270,7 @@ def default_threads(local_ranks: int) -> int:
     node's ``local_ranks`` ranks; at most :data:`MAX_THREADS`, at least 1.
     """
     cores = os.cpu_count() or 1
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        mine = cores
+    mine = len(_status.own_cpus())
     if mine >= cores:  # not bound: the node's cores are shared by its ranks
         mine //= max(1, local_ranks)
     return max(1, min(MAX_THREADS, mine))

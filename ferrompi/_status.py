@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -143,14 +143,18 @@ def node_cpus(node) -> int:
     bound to a core each has as many CPUs as ranks, although each rank sees
     one. Collective over ``node``; the same number on each of its ranks.
     """
-    try:
-        mine = os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # not Linux
-        mine = range(os.cpu_count() or 1)
     mask = 0
-    for cpu in mine:
+    for cpu in own_cpus():
         mask |= 1 << cpu
     return bin(node.allreduce(mask, op=MPI.BOR)).count("1")
+
+
+def own_cpus() -> Collection[int]:
+    """The CPUs this process may run on (``os.sched_getaffinity``; every CPU where unknown)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        return range(os.cpu_count() or 1)
 
 
 def _no_fence() -> None:

@@ -52,6 +52,7 @@ from ._arrays import (
     check_rank,
     copy_into,
     datatype_of,
+    is_device,
     output,
     overlaps,
     plain_in_place,
@@ -1068,9 +1069,7 @@ def all_to_all_single_uneven(
 
 def _host_rows(like, out) -> bool:
     """Whether the uneven all-to-all's input and result are host arrays (its rows can go inline)."""
-    return not hasattr(like, "__cuda_array_interface__") and (
-        out is None or isinstance(out, _ndarray)
-    )
+    return not is_device(like) and (out is None or isinstance(out, _ndarray))
 
 
 #: Bytes the uneven all-to-all gathers from every rank in its table exchange
@@ -1172,7 +1171,7 @@ def _table_layout(size: int) -> _TableLayout:
 #: Group size from which the uneven all-to-all checks its splits pairwise
 #: (:func:`_pairwise_check`: an ``Ialltoall`` of 4 words per pair, then an
 #: ``Iallreduce`` of one flag) instead of gathering every rank's whole row
-#: (:func:`_gathered_check`), which moves ``p * (2p + 3) * 8`` bytes to every
+#: (:func:`_gathered_check`), which moves ``p * (2p + 4) * 8`` bytes to every
 #: rank: 4.2 MB at 512 ranks. With the network of the scaling model
 #: (docs/performance.md: 2 us a message, 12.5 GB/s per node link, 8 ranks a
 #: node), moving the gathered table costs about 55 us at 64 ranks and 2.7 ms
