@@ -2,10 +2,11 @@
 
 Over several ranks it needs h5py built with MPI (``h5py.get_config().mpi``);
 PyPI's h5py is not, so there the collective test skips and says so, and
-the refusal is tested instead. docs/checkpoint.md says how to build an
+the refusal is tested instead. scripts/build-mpi-h5py.sh builds an
 MPI-enabled h5py (Debian's libhdf5-mpich-dev, h5py from source with
-HDF5_MPI=ON); under it, run this file with that environment's
-``mpiexec.mpich -n N python -m pytest --with-mpi``. On one rank the layout
+HDF5_MPI=ON) and runs this file with that environment's
+``mpiexec.mpich -n N python -m pytest --with-mpi``; scripts/test.sh does so
+in its "MPI h5py" stage (docs/checkpoint.md). On one rank the layout
 needs no MPI-IO and is tested everywhere.
 """
 
@@ -102,7 +103,8 @@ def test_single_file_needs_mpio_over_several_ranks(multigroup, mpi_tmp_path):
 needs_mpi_h5py = pytest.mark.skipif(
     not MPI_H5PY,
     reason="h5py here is built without MPI (h5py.get_config().mpi is False); build one with "
-    "scripts/build-mpi-h5py.sh (docs/checkpoint.md) to run the collective single-file tests",
+    "scripts/build-mpi-h5py.sh (scripts/test.sh's 'MPI h5py' stage) to run the collective "
+    "single-file tests",
 )
 
 
