@@ -9,9 +9,11 @@
 # its h5py still reports MPI:
 #   1. apt-get install libhdf5-mpich-dev mpich (parallel HDF5 1.10 and MPICH 4.0);
 #   2. a new venv with current pip/setuptools, numpy, cython, pkgconfig;
-#   3. mpi4py from source against Debian's MPICH (MPICC=/usr/bin/mpicc.mpich): PyPI's
-#      mpi4py wheel looks for libmpi.so.12, which Debian names libmpich.so.12;
-#   4. h5py from source with HDF5_MPI=ON against Debian's parallel HDF5;
+#   3. mpi4py (MPI4PY_VERSION, default 4.1.2) from source against Debian's MPICH
+#      (MPICC=/usr/bin/mpicc.mpich): PyPI's mpi4py wheel looks for libmpi.so.12,
+#      which Debian names libmpich.so.12;
+#   4. h5py (H5PY_VERSION, default 3.16.0) from source with HDF5_MPI=ON against
+#      Debian's parallel HDF5;
 #   5. ferrompi (editable, --no-deps) and the test tools.
 # Then the checkpoint tests, in one process and under `mpiexec.mpich -n N` for N in
 # MPI_SIZES (default "2 3 4"; RUN_TESTS=0 skips them). Exits non-zero if a step or a
@@ -28,6 +30,10 @@ PYTHON=${PYTHON:-python3}
 RUN_TESTS=${RUN_TESTS:-1}
 MPI_SIZES=${MPI_SIZES:-"2 3 4"}
 JOBS=${JOBS:-$(nproc)}
+# Versions built and tested here against Debian 12's HDF5 1.10.8 and MPICH 4.0.2
+# (newer h5py releases may drop support for that HDF5).
+H5PY_VERSION=${H5PY_VERSION:-3.16.0}
+MPI4PY_VERSION=${MPI4PY_VERSION:-4.1.2}
 cd "$ROOT"
 
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
@@ -59,7 +65,7 @@ else
   "${PIP[@]}" -U pip setuptools wheel numpy cython pkgconfig
 
   step "mpi4py from source (MPICC=/usr/bin/mpicc.mpich)"
-  MPICC=/usr/bin/mpicc.mpich "${PIP[@]}" --no-binary=mpi4py mpi4py
+  MPICC=/usr/bin/mpicc.mpich "${PIP[@]}" --no-binary=mpi4py "mpi4py==$MPI4PY_VERSION"
 
   step "h5py from source (HDF5_MPI=ON, Debian's parallel HDF5)"
   # Compile h5py's extensions in parallel: setuptools reads this extra config file.
@@ -67,7 +73,7 @@ else
   trap 'rm -f "$extra"' EXIT
   printf '[build_ext]\nparallel = %s\n' "$JOBS" >"$extra"
   DIST_EXTRA_CONFIG=$extra HDF5_MPI=ON HDF5_DIR=/usr/lib/x86_64-linux-gnu/hdf5/mpich \
-    CC=/usr/bin/mpicc.mpich "${PIP[@]}" --no-binary=h5py --no-build-isolation h5py
+    CC=/usr/bin/mpicc.mpich "${PIP[@]}" --no-binary=h5py --no-build-isolation "h5py==$H5PY_VERSION"
 
   step "ferrompi and the test tools"
   "${PIP[@]}" pytest pytest-mpi pytest-timeout hypothesis
