@@ -448,16 +448,20 @@ def fate_of_rejected(
     Returns the group ranks whose record shows ``seq`` entered and not
     rejected (they started it: MPI would match this rank's next collective
     with it), those whose record shows neither yet, and those that rejected
-    it too. Peers whose record this process cannot see (another node) are
-    in none of the lists. A peer that rejected ``seq`` keeps showing it
-    until this rank has settled ``seq`` (:func:`settled`), so the first two
-    cannot be confused with a peer that rejected it and moved on.
+    it too. A peer of this node whose record has no slot for the
+    communicator yet (it has not built its backend over it, or lost the
+    slot to newer communicators) is undecided: its absence says nothing
+    about what it will call. Peers whose record this process cannot see
+    (another node) are in none of the lists. A peer that rejected ``seq``
+    keeps showing it until this rank has settled ``seq`` (:func:`settled`),
+    so the first two cannot be confused with a peer that rejected it and
+    moved on.
     """
     started, undecided, rejected = [], [], []
     for local, row, slot in _peer_slots(participant, world_ranks, key):
         if slot is None:
-            continue
-        if int(row[slot + REJECTED]) == seq:
+            undecided.append(local)
+        elif int(row[slot + REJECTED]) == seq:
             rejected.append(local)
         elif _entered(row, slot)[0] >= seq:
             started.append(local)

@@ -99,6 +99,29 @@ def test_locally_rejected_call_is_reported(multigroup):
     multigroup.run(_local_rejection_is_reported)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_rejection_waits_for_a_peer_that_has_not_built_the_group_yet():
+    """Rank 0 rejects the first call of a new group while the others have not yet
+    built their backend over it (they are between ``Dup`` and ``MPIBackend``): it
+    waits for them to start or reject that call, and does not take their absence
+    from the status board for agreement (its barrier would then be matched by
+    MPI with their allreduce)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    if comm.rank == 0:
+        b = fm.MPIBackend(comm)
+        with pytest.raises(fm.UnsupportedOp):
+            fm.allreduce(np.arange(3), b, fm.ReduceOp.MEAN)
+        with pytest.raises(fm.DistributedError, match="started collective #1, which this rank"):
+            fm.barrier(b, timeout=20)
+        return
+    time.sleep(0.5)  # rank 0 rejects and settles meanwhile
+    b = fm.MPIBackend(comm)
+    with pytest.raises(fm.DistributedError, match="rank 0 rejected its call #1"):
+        fm.allreduce(np.arange(3), b, timeout=20)
+
+
 def test_timeout_values():
     assert timeout_seconds(None) == 60.0 or timeout_seconds(None) > 0
     assert timeout_seconds(2) == 2.0
