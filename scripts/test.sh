@@ -8,8 +8,9 @@
 # simulated backend, and the Slurm tests on a Slurm that scripts/slurm-up.sh
 # starts here when it can); the MPI suites under `mpiexec -n 2`, `-n 3` and `-n 4`
 # with pytest-mpi; the single-file checkpoint tests with an MPI-built h5py
-# (scripts/build-mpi-h5py.sh, under Debian's MPICH); then a quick benchmark guard. Every run has a timeout, so
-# a hung rank fails the run instead of stalling it: pytest-timeout per test
+# (scripts/build-mpi-h5py.sh, under Debian's MPICH); then a quick benchmark
+# guard. Every run has a timeout, so a hung rank fails the run instead of
+# stalling it: pytest-timeout per test
 # (thread method, which can interrupt a blocked MPI call) and MPIEXEC_TIMEOUT
 # per mpiexec run.
 # All stages run; the script exits non-zero if any failed, on any rank.
@@ -60,9 +61,11 @@ PY="$VENV/bin/python"
 MPIEXEC="$VENV/bin/mpiexec"
 PYTEST=("$PY" -m pytest -q --timeout="$TEST_TIMEOUT" --timeout-method=thread)
 
+can_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; } # Debian packages installable
+
 system_packages() { # h5dump/h5ls (Debian hdf5-tools) for the checkpoint tests; never fails
   command -v h5dump >/dev/null && command -v h5ls >/dev/null && return 0
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if can_apt; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
       --no-install-recommends hdf5-tools; } >/dev/null 2>&1 && return 0
   fi
@@ -103,11 +106,12 @@ done
 # them under mpiexec.mpich. Without root and that venv, they skip, saying why.
 H5MPI_VENV=${H5MPI_VENV:-.venv-h5mpi}
 mpi_h5py() {
-  if [ ! -x "$H5MPI_VENV/bin/python" ] && { [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; }; then
+  if [ ! -x "$H5MPI_VENV/bin/python" ] && ! can_apt; then
     echo "no root or no apt-get: the single-file checkpoint tests under MPI skip"
     return 0
   fi
-  MPI_SIZES="$MPI_SIZES" MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" bash scripts/build-mpi-h5py.sh "$H5MPI_VENV"
+  MPI_SIZES="$MPI_SIZES" MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" \
+    bash scripts/build-mpi-h5py.sh "$H5MPI_VENV"
 }
 stage "MPI h5py: single-file checkpoints under mpiexec.mpich" mpi_h5py
 
