@@ -65,7 +65,7 @@ OPCODE = {name: code for code, name in enumerate(OPS)}
 # Record layout, in int64 words.
 PID, STATE, OP, KEY, SEQ, T_START, T_END, PEER = range(8)
 SLOT0 = 8
-NSLOTS = 32
+NSLOTS = 256
 # Per communicator: its key; the number of collectives entered there and the
 # opcode of the last one, in one word (``number << 8 | opcode``: a peer can
 # never pair a new number with the previous operation); the number of the last
