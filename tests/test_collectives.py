@@ -218,6 +218,18 @@ def _allreduce_coalesced_out(b):
     np.testing.assert_array_equal(outs[0], np.full(2, p * p / 2))
     np.testing.assert_array_equal(outs[1], np.arange(3) * (p * (p - 1) // 2))
     np.testing.assert_array_equal(outs[2], np.full((2, 1), p * (p - 1) / 2, np.float32))
+    # strided and byte-swapped inputs are packed as they are, read as numpy reads them
+    strided = np.arange(12.0).reshape(3, 4).T * (r + 1)
+    swapped = (np.arange(5) * (r + 1)).astype(">i4")
+    outs = [np.empty((4, 3)), np.empty(5, np.int32)]
+    fm.allreduce_coalesced([strided, swapped], b, out=outs)
+    triangle = p * (p + 1) // 2
+    np.testing.assert_array_equal(outs[0], np.arange(12.0).reshape(3, 4).T * triangle)
+    np.testing.assert_array_equal(outs[1], np.arange(5) * triangle)
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    with pytest.raises(fm.InvalidArgument, match="out is read-only"):
+        fm.allreduce_coalesced([np.ones(2), np.ones(3)], b, out=[np.ones(2), frozen])
     with pytest.raises(fm.InvalidArgument, match="one per input"):
         fm.allreduce_coalesced([np.ones(2), np.ones(3)], b, out=[np.ones(2)])
     with pytest.raises(fm.InvalidArgument, match=r"shape \(2,\).*expected shape \(3,\)"):
