@@ -193,7 +193,14 @@ def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int
         mismatched.extend(elsewhere)
         return everyone or bool(elsewhere)
 
-    if not _status.spin_until(done, time.monotonic() + timeout):
+    def probe() -> None:  # a peer that rejected its call #seq never arrives: raise at once
+        check_peers(state, seq, _status.OPS[opcode])
+
+    try:
+        arrived = _status.spin_until(done, time.monotonic() + timeout, probe)
+    except PeerRejected as exc:
+        raise rejection_error(state, exc) from None
+    if not arrived:
         raise timeout_error(state, setup, seq, timeout)
     if mismatched:
         name = _status.OPS[opcode]

@@ -293,18 +293,27 @@ def test_a_rank_that_never_arrives_times_out_in_the_engine(engine_everywhere):
         fm.allreduce(np.ones(300), b)
 
 
-def test_a_rank_that_rejects_its_call_stops_the_engine_at_once(engine_everywhere):
+@pytest.mark.parametrize("warm", [True, False], ids=["engine built", "first use"])
+def test_a_rank_that_rejects_its_call_stops_the_engine_at_once(engine_everywhere, warm):
+    # first use: the peers wait on the status board to set the engine up
     b = fresh_world()
-    fm.allreduce(np.ones(300), b)
+    if warm:
+        fm.allreduce(np.ones(300), b)
     if b.rank == 0:
         with pytest.raises(fm.UnsupportedOp):
             fm.allreduce(np.ones(300, np.int64), b, fm.ReduceOp.MEAN)
+        if not warm:  # its peers started call #1 (the setup): it cannot go on
+            with pytest.raises(fm.DistributedError, match="started collective #1, which this"):
+                fm.barrier(b, timeout=20)
         return
     start = time.monotonic()
     with pytest.raises(fm.DistributedError) as info:
         fm.allreduce(np.ones(300), b, fm.ReduceOp.MEAN, timeout=20)
     assert time.monotonic() - start < 5
-    assert "rank 0 rejected its call" in str(info.value)
+    assert not isinstance(info.value, fm.CollectiveTimeout)
+    assert f"rank 0 rejected its call #{3 if warm else 1}" in str(info.value)  # #1: the setup
+    with pytest.raises(fm.DistributedError, match="unusable"):
+        fm.allreduce(np.ones(3), b)
 
 
 def test_a_rank_that_never_arrives_times_out_while_the_engine_is_set_up():
