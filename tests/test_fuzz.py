@@ -1,11 +1,12 @@
-"""Property-based fuzzing of every collective on the simulated backend.
+"""Fuzzing of every collective: on the simulated backend, and under mpiexec.
 
 hypothesis draws a group size, a collective, a dtype, a shape, a reduction,
 a root, split vectors, and possibly one rank that disagrees with the others
 (another shape or dtype). Every call must either return the numpy reference
 on every rank, or raise an error of the documented class; none may hang
 (each call has a deadline, so a hang would surface as a timeout, which is
-checked for too).
+checked for too). Under mpiexec the same kinds of cases, drawn from one
+seed on every rank, also reach the shared-memory engine's sizes.
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ def splits_of(case):
     return [chunks(inputs_of(case, r).shape[0], n, rng) for r in range(n)]
 
 
-def run_call(case, b):
+def run_call(case, b, timeout: float = TIMEOUT):
     x = inputs_of(case, b.rank)
     name, n, r = case["name"], b.world_size, b.rank
-    kw = {"timeout": TIMEOUT}
+    kw = {"timeout": timeout}
     if name == "allreduce":
         return fm.allreduce(x, b, case["op"], **kw)
     if name == "broadcast":
@@ -190,11 +191,46 @@ def reference(case):
     return [np.concatenate([parts[j][r] for j in range(n)]) for r in range(n)]
 
 
-def outcome(case, b):
+def outcome(case, b, timeout: float = TIMEOUT):
     try:
-        return run_call(case, b)
+        return run_call(case, b, timeout)
     except fm.FerrompiError as exc:
         return exc
+
+
+def problem(case, rank: int, result, expected) -> str | None:
+    """What is wrong with ``rank``'s ``result`` (array or error) for ``case``; None if right.
+
+    ``expected`` is :func:`reference` of ``case``.
+    """
+    if isinstance(result, fm.CollectiveTimeout):
+        return f"a hang: {result}"
+    if case["odd"] is not None:
+        # One rank disagrees: in debug mode every rank says so; without it each
+        # rank either raises a documented error or returns (MPI itself cannot
+        # always tell), but nobody hangs.
+        if case["debug"] and not isinstance(result, fm.DistributedError):
+            return f"debug mode let the disagreement through: {result!r}"
+        if not isinstance(result, (fm.DistributedError, np.ndarray)):
+            return f"an undocumented outcome: {result!r}"
+        return None
+    if isinstance(expected, type):
+        if not isinstance(result, expected):
+            return f"expected {expected.__name__}, got {result!r}"
+        return None
+    want = expected[rank]
+    if not isinstance(result, np.ndarray):
+        return f"expected an array, got {result!r}"
+    if result.dtype != want.dtype or result.shape != want.shape:
+        return f"got {result.dtype} {result.shape}, expected {want.dtype} {want.shape}"
+    try:
+        if want.dtype.kind in "fc":
+            np.testing.assert_allclose(result, want, rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(result, want)
+    except AssertionError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.fixture
@@ -212,27 +248,74 @@ def restore_debug():
 def test_every_call_returns_the_reference_or_raises_a_documented_error(case, restore_debug):
     fm.set_debug(case["debug"])
     got = fm.SimulatedBackend.run(case["n"], functools.partial(outcome, case), timeout=TIMEOUT)
-    for result in got:
-        assert not isinstance(result, fm.CollectiveTimeout), f"{case}: {result}"  # no hang
-    if case["odd"] is not None:
-        # One rank disagrees: in debug mode every rank says so; without it each
-        # rank either raises a documented error or returns (MPI itself cannot
-        # always tell), but nobody hangs.
-        if case["debug"]:
-            for result in got:
-                assert isinstance(result, fm.DistributedError), f"{case}: {result!r}"
-        for result in got:
-            assert isinstance(result, (fm.DistributedError, np.ndarray)), f"{case}: {result!r}"
-        return
-    expected = reference(case)
-    if isinstance(expected, type):
-        for result in got:
-            assert isinstance(result, expected), f"{case}: expected {expected.__name__}, {result!r}"
-        return
-    for rank, (result, want) in enumerate(zip(got, expected, strict=True)):
-        assert isinstance(result, np.ndarray), f"{case} rank {rank}: {result!r}"
-        assert result.dtype == want.dtype and result.shape == want.shape, (case, rank, result)
-        if want.dtype.kind in "fc":
-            np.testing.assert_allclose(result, want, rtol=1e-6)
-        else:
-            np.testing.assert_array_equal(result, want)
+    expected = None if case["odd"] is not None else reference(case)
+    for rank, result in enumerate(got):
+        assert problem(case, rank, result, expected) is None, (case, rank, result)
+
+
+def mpi_cases(count: int, seed: int, n: int):
+    """``count`` cases of :func:`calls` for a group of ``n``, drawn from ``seed``.
+
+    numpy draws them, so every rank draws the same. Two cases in five have
+    512 to 40 000 times more rows, which takes the large collectives to the
+    shared-memory engine. A case with a disagreeing rank runs in debug mode
+    unless that rank's call is rejected before it communicates (a reduction
+    its dtype lacks): otherwise MPI would see calls that do not match, whose
+    behaviour is undefined (MPICH aborts the job on some dtype mismatches;
+    docs/collectives.md).
+    """
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        scale = int(rng.choice([512, 4096, 40_000])) if rng.random() < 0.4 else 1
+        odd = None if rng.random() < 0.7 else (int(rng.integers(n)), str(rng.choice(["s", "d"])))
+        name = str(rng.choice(COLLECTIVES))
+        dtype = np.dtype(DTYPES[rng.integers(len(DTYPES))])
+        op = OPS[rng.integers(len(OPS))]
+        odd_dtype = np.dtype(np.float64 if dtype != np.float64 else np.int32)
+        rejected_there = (
+            odd is not None
+            and odd[1] == "d"
+            and name in REDUCING
+            and op.name in LEGAL[dtype.kind]
+            and op.name not in LEGAL[odd_dtype.kind]
+        )
+        yield dict(
+            n=n,
+            name=name,
+            dtype=dtype,
+            rows=int(rng.integers(0, 7)) * scale,
+            cols=[(), (1,), (3,), (2, 2)][rng.integers(4)],
+            op=op,
+            root=int(rng.integers(-1, n + 1)),
+            seed=int(rng.integers(0, 2**16)),
+            odd=odd,
+            wrong_splits=bool(rng.random() < 0.25),
+            debug=(odd is not None and not rejected_there) or bool(rng.random() < 0.3),
+        )
+
+
+MPI_CASES = 200
+MPI_TIMEOUT = 30.0  # a loaded machine runs 4 ranks on fewer cores
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_call_under_mpi_returns_the_reference_or_raises_a_documented_error(
+    restore_debug,
+):
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    failures = []
+    for i, case in enumerate(mpi_cases(MPI_CASES, 2026, world.size)):
+        fm.set_debug(case["debug"])
+        comm = world.Dup()
+        b = fm.MPIBackend(comm)
+        result = outcome(case, b, MPI_TIMEOUT)
+        expected = None if case["odd"] is not None else reference(case)
+        wrong = problem(case, world.rank, result, expected)
+        if wrong is not None:
+            failures.append(f"case {i} {case}: rank {world.rank}: {wrong}")
+        if world.allreduce(isinstance(result, np.ndarray), op=MPI.LAND):
+            fm.destroy_process_group(b)  # the node engine's windows
+            comm.Free()  # a communicator whose call failed may still hold requests: kept
+    assert not failures, "\n".join(failures)
