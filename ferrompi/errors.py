@@ -107,18 +107,36 @@ class SelfSend(InvalidArgument):
 class SizeMismatch(InvalidArgument):
     """A received message does not fit the receive buffer.
 
-    ``expected`` and ``got`` are element counts (``got`` is ``None`` when MPI
-    only reported that the message was larger than the buffer).
+    ``expected`` and ``got`` are element counts. ``got`` is ``None`` when MPI
+    only reported that the message was larger than the buffer, or when the
+    message is not a whole number of the buffer's elements (then ``nbytes``
+    is its size in bytes: the sender's dtype differs).
     """
 
-    def __init__(self, expected: int, got: int | None, op: str = "recv") -> None:
+    def __init__(
+        self,
+        expected: int,
+        got: int | None,
+        op: str = "recv",
+        *,
+        nbytes: int | None = None,
+        itemsize: int | None = None,
+    ) -> None:
         self.expected = expected
         self.got = got
         self.op = op
-        got_text = "more" if got is None else str(got)
-        super().__init__(
-            f"{op}: the receive buffer holds {expected} elements but the message carries {got_text}"
-        )
+        self.nbytes = nbytes
+        if nbytes is not None:
+            text = (
+                f"{op}: the receive buffer holds {expected} elements of {itemsize} bytes but "
+                f"the message carries {nbytes} bytes, not a whole number of elements (the "
+                "sender's dtype differs)"
+            )
+        else:
+            carries = "more" if got is None else str(got)
+            text = f"{op}: the receive buffer holds {expected} elements but the message carries "
+            text += carries
+        super().__init__(text)
 
 
 class CollectiveTimeout(DistributedError, TimeoutError):

@@ -59,6 +59,10 @@ __all__ = [
 Timeout = float | timedelta | None
 _OP = _status.OPCODE
 _TAG_UB: list[int] = []
+#: Messages travel as bytes: a receive never unpacks part of an element
+#: (MPICH aborts the job on a message that ends inside one), and the size
+#: check sees every byte count.
+_BYTE = MPI.BYTE
 
 
 def _tag(tag, name: str) -> int:
@@ -89,14 +93,13 @@ class _ProbedRecv:
     :class:`SizeMismatch` (after consuming the message) if it does not fit.
     """
 
-    __slots__ = ("_buf", "_comm", "_dt", "_op", "_probe", "_req", "_source", "_tag", "block_until")
+    __slots__ = ("_buf", "_comm", "_op", "_probe", "_req", "_source", "_tag", "block_until")
 
-    def __init__(self, comm, source: int, tag: int, buf: np.ndarray, dt, op: str) -> None:
+    def __init__(self, comm, source: int, tag: int, buf: np.ndarray, op: str) -> None:
         self._comm = comm
         self._source = source
         self._tag = tag
         self._buf = buf
-        self._dt = dt
         self._op = op
         self._probe = MPI.Status()
         self._req = None
@@ -110,9 +113,9 @@ class _ProbedRecv:
             nbytes = self._probe.Get_count(MPI.BYTE)
             buf = self._buf
             if nbytes != buf.nbytes:
-                message.Recv([np.empty(nbytes, np.uint8), nbytes, MPI.BYTE])
-                raise SizeMismatch(buf.size, nbytes // buf.itemsize, self._op)
-            self._req = message.Irecv([buf, buf.size, self._dt])
+                message.Recv([np.empty(nbytes, np.uint8), nbytes, _BYTE])
+                raise _mismatch(buf, nbytes, self._op)
+            self._req = message.Irecv([buf, nbytes, _BYTE])
         return self._req.Test(status)
 
     def _block(self, deadline: float, status=None) -> bool:
@@ -170,12 +173,12 @@ def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> Pend
                 f"{name}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
             )
         result, buf = output(out, out.shape, out.dtype, name, comm=state.comm)
-        dt = datatype_of(buf, name)
+        datatype_of(buf, name)  # a dtype MPI has
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     state.begin(opcode, state.world_ranks[src])
-    req = _ProbedRecv(state.comm, src, tag, buf, dt, name)
+    req = _ProbedRecv(state.comm, src, tag, buf, name)
     return PendingCollective(
         state,
         opcode,
@@ -258,13 +261,13 @@ def _send(x, dst, backend: Backend, tag, timeout, blocking: bool):
         dst = _peer(state, dst, "send", "dst")
         tag = _tag(tag, "send")
         x = as_input(x, "send", state.comm)
-        dt = datatype_of(x, "send")
+        datatype_of(x, "send")  # a dtype MPI has
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     state.begin(opcode, state.world_ranks[dst])
     try:
-        req = state.comm.Isend([x, x.size, dt], dst, tag)
+        req = state.comm.Isend([x, x.nbytes, _BYTE], dst, tag)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error("send", exc) from None
@@ -351,14 +354,14 @@ def irecv(
         tag = _tag(tag, "irecv")
         shape, dtype = _shape(shape, "irecv"), _dtype(dtype, "irecv")
         result, buf = output(out, shape, dtype, "irecv", comm=state.comm)
-        dt = datatype_of(buf, "irecv")
+        datatype_of(buf, "irecv")  # a dtype MPI has
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
     state.begin(opcode, state.world_ranks[src])
     status = MPI.Status()
     try:
-        req = state.comm.Irecv([buf, buf.size, dt], src, tag)
+        req = state.comm.Irecv([buf, buf.nbytes, _BYTE], src, tag)
     except MPI.Exception as exc:
         state.end(_status.FAILED)
         raise mpi_error("irecv", exc) from None
@@ -383,11 +386,19 @@ def _check_received(result: np.ndarray, keep: tuple) -> None:
     A larger message fails earlier, in MPI (truncation: ``got`` is then unknown).
     """
     buf, status, op = keep[:3]
-    got = status.Get_count(MPI.BYTE)
+    got = status.Get_count(_BYTE)
     if got != buf.nbytes:
-        raise SizeMismatch(buf.size, got // buf.itemsize, op)
+        raise _mismatch(buf, got, op)
     if buf is not result:
         copy_into(result, buf)
+
+
+def _mismatch(buf, nbytes: int, op: str) -> SizeMismatch:
+    """The error of a message of ``nbytes`` bytes that does not fill ``buf`` exactly."""
+    count, rest = divmod(nbytes, buf.itemsize)
+    if rest:
+        return SizeMismatch(buf.size, None, op, nbytes=nbytes, itemsize=buf.itemsize)
+    return SizeMismatch(buf.size, count, op)
 
 
 def sendrecv(
@@ -425,12 +436,11 @@ def sendrecv(
         peer = _peer(state, peer, "sendrecv", "peer")
         tag = _tag(tag, "sendrecv")
         shape = _shape(recv_shape, "sendrecv")
-        dt = plain_pair(x, out, shape)
-        if dt is not None:
+        if plain_pair(x, out, shape) is not None:  # plain numpy: checked in one call
             result = buf = out
         else:
             like, x = x, as_input(x, "sendrecv", state.comm)
-            dt = datatype_of(x, "sendrecv")
+            datatype_of(x, "sendrecv")  # a dtype MPI has
             result, buf = output(out, shape, x.dtype, "sendrecv", like, state.comm)
             if out is not None and overlaps(x, buf):
                 x = x.copy()  # MPI must not receive into what it is sending
@@ -442,7 +452,8 @@ def sendrecv(
     comm = state.comm
     try:
         req = _SendRecv(
-            comm.Irecv([buf, buf.size, dt], peer, tag), comm.Isend([x, x.size, dt], peer, tag)
+            comm.Irecv([buf, buf.nbytes, _BYTE], peer, tag),
+            comm.Isend([x, x.nbytes, _BYTE], peer, tag),
         )
     except MPI.Exception as exc:
         state.end(_status.FAILED)

@@ -70,6 +70,8 @@ def _size_mismatch(b):
         fm.send(np.ones(3, np.float32), 1, b)
         fm.send(np.ones(2, np.float64), 1, b, tag=3)
         fm.send(np.ones(4, np.float32), 1, b, tag=5)
+        for tag in (6, 7, 8):  # 7 bytes: no whole number of float64 elements
+            fm.send(np.arange(7, dtype=np.int8), 1, b, tag=tag)
         fm.barrier(b)
     elif rank == 1:
         with pytest.raises(fm.SizeMismatch) as info:
@@ -84,6 +86,16 @@ def _size_mismatch(b):
         assert (info.value.expected, info.value.got) == (3, 4)
         with pytest.raises(fm.SizeMismatch):
             fm.irecv((3,), 0, b, tag=5).wait()
+        # a message that ends inside an element (MPICH would abort unpacking it)
+        partial = "holds 1 elements of 8 bytes but the message carries 7 bytes, not a whole"
+        for receive in (
+            lambda: fm.recv((1,), 0, b, dtype=np.float64, tag=6),
+            lambda: fm.irecv((1,), 0, b, dtype=np.float64, tag=7).wait(),
+            lambda: fm.recv_into(np.zeros(1), 0, b, tag=8),
+        ):
+            with pytest.raises(fm.SizeMismatch, match=partial) as info:
+                receive()
+            assert (info.value.expected, info.value.got, info.value.nbytes) == (1, None, 7)
         fm.barrier(b)
         # the bad messages were consumed: the channel is clean
         assert fm.allreduce(np.ones(1), b)[0] == b.world_size
