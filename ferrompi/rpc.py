@@ -607,15 +607,15 @@ class _Agent:
         envelope, arrays, seconds = message
         comm = self.comm
         tag = 2 + 2 * (call_id % self.tag_span) + reply
-        reqs = [comm.Isend([envelope, MPI.BYTE], to, _TAG_ENVELOPE)]
-        reqs += [comm.Isend(_bytes_of(a), to, tag) for a in arrays]
-        self.sending.append(_Transfer(reqs, (envelope, arrays), time.monotonic() + seconds))
-        with self.lock:
+        with self.lock:  # counted first: the message may be answered before Isend returns
             traffic = self.traffic
             traffic["envelopes"] += 1
             traffic["envelope_bytes"] += len(envelope)
             traffic["arrays"] += len(arrays)
             traffic["array_bytes"] += sum(a.nbytes for a in arrays)
+        reqs = [comm.Isend([envelope, MPI.BYTE], to, _TAG_ENVELOPE)]
+        reqs += [comm.Isend(_bytes_of(a), to, tag) for a in arrays]
+        self.sending.append(_Transfer(reqs, (envelope, arrays), time.monotonic() + seconds))
 
     def reply(self, to: int, call_id: int, outcome: tuple[int, Any], seconds: float) -> None:
         """Send a request's outcome back to its caller (unless RPC closed meanwhile)."""
