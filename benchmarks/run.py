@@ -8,6 +8,7 @@ Run under MPI (2 ranks is the reference configuration)::
 
 torch.distributed (gloo, CPU) joins the comparison when ``import torch``
 works in the ranks' Python (``pip install torch==2.13.0``, a CPU build).
+``--plot`` needs matplotlib (``pip install -e '.[bench]'``).
 
 For every (operation, size) pair, each repetition runs every implementation
 once, in turn (interleaved, so that all of them see the same machine state):
@@ -64,6 +65,7 @@ new array, and raw mpi4py.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -686,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [op for op in ops if op not in OPS + GPU_OPS]
     if unknown:
         parser.error(f"unknown operations {unknown}; choose from {OPS + GPU_OPS}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # every rank stops here, before measuring, rather than rank 0 after the run
+        parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
 
     world = fm.init()
     comm = world.comm.Dup()  # the raw calls' communicator (same ranks)
