@@ -693,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
 
     world = fm.init()
+    fm.install_excepthook()  # a rank that fails (e.g. rank 0 reporting) ends the job, not hangs it
     comm = world.comm.Dup()  # the raw calls' communicator (same ranks)
     dist = None
     if not args.no_torch:
