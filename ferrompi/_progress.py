@@ -450,16 +450,26 @@ _MISMATCH_HINT = (
 )
 
 
+_GROUP_HINT = (
+    "every group holds an MPI communicator until fm.destroy_process_group(group) frees it, "
+    "and MPI has a fixed number per process (2048 in MPICH)"
+)
+_GROUP_CREATION = frozenset(("split", "new_group", "SubBackend"))
+
+
 def mpi_error(op: str, exc: Exception, expected: int | None = None) -> DistributedError:
     """Translate an ``MPI.Exception`` into ferrompi's hierarchy.
 
     An error in a collective that moves arrays points to debug mode
-    (:mod:`ferrompi.debug`) when it is off.
+    (:mod:`ferrompi.debug`) when it is off; one in creating a group, to
+    :func:`~ferrompi.destroy_process_group`.
     """
     error_class = exc.Get_error_class()
     if error_class == MPI.ERR_TRUNCATE and expected is not None:
         return SizeMismatch(expected, None, op)
     hint = _MISMATCH_HINT if op in _DATA_COLLECTIVES and not debug.ENABLED else ""
+    if op in _GROUP_CREATION:
+        hint = _GROUP_HINT
     return CommunicationError(op, exc.Get_error_string(), error_class, hint)
 
 

@@ -161,3 +161,21 @@ def _destroy(b):
 
 def test_destroy_process_group(group):
     group.run(_destroy)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_running_out_of_communicators_says_how_to_free_them():
+    """MPI has a fixed number of communicators per process; the error says what frees one."""
+    world = fm.MPIBackend(MPI.COMM_WORLD.Dup())
+    groups = []
+    with pytest.raises(fm.CommunicationError) as info:
+        for _ in range(100_000):  # MPICH: 2048 per process
+            groups.append(world.split(0, key=world.rank))
+    assert len(groups) > 100
+    assert "fm.destroy_process_group(group) frees it" in str(info.value)
+    for g in groups:
+        fm.destroy_process_group(g)
+    again = world.split(0, key=world.rank)  # freed: splitting works again
+    assert fm.allreduce(np.ones(1), again)[0] == world.world_size
+    fm.destroy_process_group(again)
+    world.comm.Free()
