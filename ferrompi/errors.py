@@ -133,9 +133,10 @@ class SizeMismatch(InvalidArgument):
                 "sender's dtype differs)"
             )
         else:
-            carries = "more" if got is None else str(got)
-            text = f"{op}: the receive buffer holds {expected} elements but the message carries "
-            text += carries
+            text = (
+                f"{op}: the receive buffer holds {expected} elements but the message carries "
+                + ("more" if got is None else str(got))
+            )
         super().__init__(text)
 
 

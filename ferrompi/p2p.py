@@ -110,7 +110,7 @@ class _ProbedRecv:
             message = self._comm.Improbe(self._source, self._tag, self._probe)
             if message is None:
                 return False
-            nbytes = self._probe.Get_count(MPI.BYTE)
+            nbytes = self._probe.Get_count(_BYTE)
             buf = self._buf
             if nbytes != buf.nbytes:
                 message.Recv([np.empty(nbytes, np.uint8), nbytes, _BYTE])
