@@ -842,8 +842,13 @@ class _Agent:
                 return
             previous = (totals[0], totals[1]) if clean else None
 
-    def close(self, reason: str) -> None:
-        """Stop serving; fail the calls still waiting with NoConnection(reason)."""
+    def close(self, reason: str, join: bool = False) -> None:
+        """Stop serving; fail the calls still waiting with NoConnection(reason).
+
+        With ``join`` (after a graceful quiesce: no function runs any more),
+        return once the worker threads have ended; otherwise they end when
+        the functions they run return.
+        """
         with self.lock:
             if self.closed is not None:
                 return
@@ -856,7 +861,7 @@ class _Agent:
             self.thread.join(timeout=10.0)
         for future in waiting:
             future._settle(error=NoConnection(future._to, reason))
-        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.workers.shutdown(wait=join, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------------
@@ -1014,11 +1019,11 @@ def shutdown(graceful: bool = True, timeout: Timeout = None) -> None:
     """Stop RPC on this rank; graceful (the default) is collective.
 
     Graceful: waits until every rank has called ``shutdown`` and every call
-    made anywhere has been answered (nested calls included), then frees the
-    RPC communicator. Functions running on this rank may still make calls
-    meanwhile. Not graceful: stops at once; this rank's calls in flight fail
-    with :class:`NoConnection`, and requests sent to this rank go unanswered
-    (their callers time out).
+    made anywhere has been answered (nested calls included), then ends this
+    rank's RPC threads and frees the RPC communicator. Functions running on
+    this rank may still make calls meanwhile. Not graceful: stops at once;
+    this rank's calls in flight fail with :class:`NoConnection`, and
+    requests sent to this rank go unanswered (their callers time out).
 
     Parameters
     ----------
@@ -1053,7 +1058,7 @@ def shutdown(graceful: bool = True, timeout: Timeout = None) -> None:
                 agent.quiesce(seconds)
                 quiet = True
         finally:
-            agent.close("rpc was shut down on this rank while the call was in flight")
+            agent.close("rpc was shut down on this rank while the call was in flight", join=quiet)
             if quiet:
                 agent.comm.Free()  # nothing is in flight on it any more
             else:

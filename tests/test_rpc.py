@@ -434,6 +434,8 @@ def shutdown_waits_for_calls_in_flight(b):
     assert all(f.done() for f in futures)
     assert [f.wait() for f in futures] == [(r, i) for i in range(3)]
     assert sorted(RECORDED) == [((r - 1) % n, i) for i in range(3)]
+    # its threads have ended: the service thread and every worker that ran a call
+    assert [t.name for t in threading.enumerate() if t.name.startswith("ferrompi-rpc")] == []
 
 
 def calls_after_shutdown(b):
