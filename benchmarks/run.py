@@ -18,7 +18,10 @@ per call. The table gives the median of ``--reps`` samples, with min and p90
 in the JSON output; ratios are of medians from the same run. The column
 ``ferrompi-mpi4py`` is the median over repetitions of the difference between
 the two samples of one repetition: the time ferrompi adds per call, paired
-so that both terms saw the same moment of the machine.
+so that both terms saw the same moment of the machine. After the table,
+the targets of the performance issue are checked against this run's
+numbers (:func:`target_report`): how many operation-size pairs meet each,
+and the misses, worst first.
 
 Implementations (every buffer allocated and touched before timing):
 
@@ -599,19 +602,23 @@ def probe_line(when: str, probe: dict[str, float] | None) -> str:
     )
 
 
+def added_time(row: dict) -> float | None:
+    """The median over repetitions of ferrompi's sample minus mpi4py's (seconds), or None."""
+    samples = row["samples"]
+    if "ferrompi" not in samples or "mpi4py" not in samples:
+        return None
+    pairs = zip(samples["ferrompi"], samples["mpi4py"], strict=True)
+    return statistics.median(f - m for f, m in pairs)
+
+
 def table(results: list[dict], impls: list[str]) -> str:
     lines = []
     head = f"{'op':<22}{'size':>10}" + "".join(f"{name:>20}" for name in impls)
     head += f"{'ferrompi/mpi4py':>17}{'gloo/ferrompi':>15}{'ferrompi-mpi4py':>17}"
     lines.append(head)
     for row in results:
-        paired = f"{'-':>17}"
-        samples = row["samples"]
-        if "ferrompi" in samples and "mpi4py" in samples:
-            added = statistics.median(
-                f - m for f, m in zip(samples["ferrompi"], samples["mpi4py"], strict=True)
-            )
-            paired = f"{added * 1e6:+14.1f} us"
+        added = added_time(row)
+        paired = f"{'-':>17}" if added is None else f"{added * 1e6:+14.1f} us"
         med = {k: v["median"] for k, v in row["stats"].items()}
         cells = "".join(f"{fmt_time(med[name]) if name in med else '-':>20}" for name in impls)
         fm_med = med.get("ferrompi")
@@ -620,6 +627,86 @@ def table(results: list[dict], impls: list[str]) -> str:
         gloo = f"{med['gloo'] / fm_med:15.1f}" if "gloo" in med and fm_med else f"{'-':>15}"
         lines.append(f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}{paired}")
     return "\n".join(lines)
+
+
+def _verdict(
+    what: str, checked: list[tuple[str, float]], limit: float, at_most: bool, shown
+) -> str:
+    """How many ``(label, value)`` pairs are within ``limit``, and the others, worst first.
+
+    ``at_most``: a value passes when it is at most ``limit`` (else at least).
+    """
+    missed = [(label, v) for label, v in checked if (v > limit if at_most else v < limit)]
+    line = f"  {what}: {len(checked) - len(missed)} of {len(checked)} met"
+    if missed:
+        missed.sort(key=lambda item: item[1], reverse=at_most)
+        shown_missed = ", ".join(f"{label} {shown(v)}" for label, v in missed[:8])
+        more = f" and {len(missed) - 8} more" if len(missed) > 8 else ""
+        line += f"; missed: {shown_missed}{more}"
+    return line
+
+
+def target_report(results: list[dict]) -> list[str]:
+    """The issue's targets, measured in this run: what is met, and each miss with its number.
+
+    Only what the run measured is reported: a run without torch says
+    nothing of gloo, one without ``allreduce_coalesced`` nothing of fusion.
+    """
+    ratio_rows = [
+        r for r in results if {"ferrompi", "mpi4py"} <= r["stats"].keys() and r["op"] in OPS
+    ]
+
+    def median(row: dict, impl: str) -> float:
+        return row["stats"][impl]["median"]
+
+    def label(row: dict) -> str:
+        return f"{row['op']} {human(row['bytes'])}"
+
+    lines = []
+    large = [
+        (label(r), median(r, "ferrompi") / median(r, "mpi4py"))
+        for r in ratio_rows
+        if r["bytes"] >= 64 * KiB
+    ]
+    if large:
+        lines.append(
+            _verdict("ferrompi/mpi4py <= 1.05 from 64 KiB", large, 1.05, True, "{:.2f}".format)
+        )
+    small = [(label(r), added_time(r)) for r in ratio_rows if r["bytes"] <= KiB]
+    if small:
+        lines.append(
+            _verdict(
+                "ferrompi <= mpi4py + 3 us up to 1 KiB (paired)",
+                small,
+                3e-6,
+                True,
+                lambda v: f"{v * 1e6:+.1f} us",
+            )
+        )
+    with_gloo = [r for r in ratio_rows if "gloo" in r["stats"]]
+    for what, lo, hi, factor in (
+        ("up to 1 KiB", 0, KiB, 30),
+        ("from 1 to 16 MiB", MiB, 16 * MiB, 2),
+    ):
+        rows = [
+            (label(r), median(r, "gloo") / median(r, "ferrompi"))
+            for r in with_gloo
+            if lo <= r["bytes"] <= hi
+        ]
+        if rows:
+            lines.append(
+                _verdict(
+                    f"gloo/ferrompi >= {factor}x {what}", rows, factor, False, "{:.1f}x".format
+                )
+            )
+    for r in results:
+        if r["op"] == "allreduce_coalesced" and "ferrompi 100 calls" in r["stats"]:
+            speedup = median(r, "ferrompi 100 calls") / median(r, "ferrompi")
+            lines.append(f"  allreduce_coalesced >= 10x 100 calls: {speedup:.1f}x")
+        if r["op"] == "allreduce" and r["bytes"] == 16 * MiB and "mpi4py" in r["stats"]:
+            bandwidth = median(r, "mpi4py") / median(r, "ferrompi")
+            lines.append(f"  allreduce bandwidth >= 1.3x raw MPI's at 16 MiB: {bandwidth:.2f}x")
+    return ["targets (issue 5; docs/performance.md):", *lines] if lines else []
 
 
 def plot(results: list[dict], directory: str, nranks: int) -> list[str]:
@@ -762,6 +849,10 @@ def main(argv: list[str] | None = None) -> int:
         impls = list(dict.fromkeys(k for r in results for k in r["stats"]))
         print()
         print(table(results, impls))
+        report = target_report(results)
+        if report:
+            print()
+            print("\n".join(report))
         if memory:
             print("\npeak resident memory added per rank, 64 MiB allreduce:")
             for name, mib in memory.items():

@@ -1,0 +1,55 @@
+"""The benchmark's report of the performance targets, on results with known numbers.
+
+(The benchmark itself runs in CI: ``benchmarks/run.py --quick --check``.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def row(op: str, nbytes: int, **medians: list[float]) -> dict:
+    """A result row whose samples are the given per-repetition times (microseconds)."""
+    samples = {impl.replace("_", " "): [t * 1e-6 for t in ts] for impl, ts in medians.items()}
+    stats = {impl: run.summary(ts) for impl, ts in samples.items()}
+    return {"op": op, "bytes": nbytes, "samples": samples, "stats": stats}
+
+
+def test_targets_report_what_is_met_and_each_miss_worst_first():
+    results = [
+        row("allreduce", 4, ferrompi=[4.0, 4.5, 6.0], mpi4py=[2.0] * 3, gloo=[300.0] * 3),
+        row("broadcast", 4, ferrompi=[5.0] * 3, mpi4py=[1.0] * 3, gloo=[60.0] * 3),
+        row("allreduce", 64 * KiB, ferrompi=[10.0] * 3, mpi4py=[20.0] * 3),
+        row("broadcast", 64 * KiB, ferrompi=[12.0] * 3, mpi4py=[10.0] * 3),
+        row("sendrecv", 64 * KiB, ferrompi=[11.0] * 3, mpi4py=[10.0] * 3),
+        row("allreduce", 16 * MiB, ferrompi=[1000.0] * 3, mpi4py=[2000.0] * 3, gloo=[9000.0] * 3),
+        row("allreduce_coalesced", 4 * KiB, ferrompi=[200.0] * 3, ferrompi_100_calls=[600.0] * 3),
+    ]
+    assert run.target_report(results) == [
+        "targets (issue 5; docs/performance.md):",
+        "  ferrompi/mpi4py <= 1.05 from 64 KiB: 2 of 4 met; missed: broadcast 64 KiB 1.20, "
+        "sendrecv 64 KiB 1.10",
+        "  ferrompi <= mpi4py + 3 us up to 1 KiB (paired): 1 of 2 met; "
+        "missed: broadcast 4 B +4.0 us",
+        "  gloo/ferrompi >= 30x up to 1 KiB: 1 of 2 met; missed: broadcast 4 B 12.0x",
+        "  gloo/ferrompi >= 2x from 1 to 16 MiB: 1 of 1 met",
+        "  allreduce bandwidth >= 1.3x raw MPI's at 16 MiB: 2.00x",
+        "  allreduce_coalesced >= 10x 100 calls: 3.0x",
+    ]
+
+
+def test_targets_report_only_what_was_measured():
+    assert run.target_report([]) == []
+    quick = [row("allreduce", MiB, ferrompi=[90.0] * 3, mpi4py=[100.0] * 3)]
+    assert run.target_report(quick) == [
+        "targets (issue 5; docs/performance.md):",
+        "  ferrompi/mpi4py <= 1.05 from 64 KiB: 1 of 1 met",
+    ]
