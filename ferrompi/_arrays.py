@@ -17,6 +17,10 @@ may still use it are synchronised (``docs/gpu.md``: the stream rule).
 
 from __future__ import annotations
 
+import ctypes
+import math
+import threading
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -28,6 +32,81 @@ from .errors import InvalidArgument
 
 _ndarray = np.ndarray
 _CAI = "__cuda_array_interface__"
+
+
+#: Host results of at least this many bytes come from :func:`host_empty`'s
+#: pool. glibc gives blocks from 32 MiB (and often from 128 KiB) straight from
+#: the kernel with ``mmap`` and hands them back on ``free``: every new large
+#: result then pays a page fault per page (or per 2 MiB huge page), the kernel
+#: zeroing it, before MPI can write it. A 64 MiB broadcast into a new array
+#: took 1.6-2.5x the time of one into an existing array, an all-gather of
+#: 16 MiB per rank into a new 32 MiB array 1.7x (2 ranks, docs/performance.md).
+POOL_FROM = 8 << 20
+
+#: Most bytes of idle blocks the pool keeps, and most idle blocks of one size.
+POOL_IDLE_BYTES = 256 << 20
+POOL_IDLE_PER_SIZE = 2
+
+_POOL_GRAIN = 2 << 20  # block sizes are multiples of a huge page
+
+
+class _HostPool:
+    """Large host arrays whose memory is reused once the arrays are gone.
+
+    Each array lies in a block of the pool, behind an owner object of its
+    own (a ``ctypes`` array over the block: numpy keeps it as the base of
+    the array and of every view of it). When the last of them is gone, a
+    ``weakref.finalize`` on the owner gives the block back, so a result
+    never shares memory with another one that is alive. Idle blocks are
+    kept up to :data:`POOL_IDLE_BYTES` (:data:`POOL_IDLE_PER_SIZE` of each
+    size); the others are freed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        count = math.prod(shape)
+        size = -(-count * dtype.itemsize // _POOL_GRAIN) * _POOL_GRAIN
+        with self._lock:
+            blocks = self._idle.get(size)
+            block = blocks.pop() if blocks else None
+            if block is not None:
+                self._idle_bytes -= size
+        if block is None:
+            block = np.empty(size, np.uint8)
+        owner = (ctypes.c_byte * size).from_address(block.ctypes.data)
+        weakref.finalize(owner, self._give_back, block)
+        return np.frombuffer(owner, dtype, count).reshape(shape)
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the blocks kept for reuse."""
+        return self._idle_bytes
+
+    def _give_back(self, block: np.ndarray) -> None:
+        size = block.nbytes
+        with self._lock:
+            blocks = self._idle.setdefault(size, [])
+            if len(blocks) < POOL_IDLE_PER_SIZE and self._idle_bytes + size <= POOL_IDLE_BYTES:
+                blocks.append(block)
+                self._idle_bytes += size
+
+
+_POOL = _HostPool()
+
+
+def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)``; from :data:`POOL_FROM` bytes, memory of earlier results.
+
+    The array is a fresh one to its user: no other live array shares its
+    memory. Its ``base`` is the pool's owner object, not None.
+    """
+    if math.prod(shape) * dtype.itemsize < POOL_FROM:
+        return np.empty(shape, dtype)
+    return _POOL.empty(shape, dtype)
 
 
 def is_device(x) -> bool:
@@ -182,7 +261,7 @@ def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str, like=None, com
     """
     if out is None:
         if type(like) is _ndarray or like is None or not hasattr(like, _CAI):
-            result = np.empty(shape, dtype)
+            result = host_empty(shape, dtype)
             return result, result
         result = gpu.device_empty(shape, dtype, gpu.as_cupy(like, op))
     elif type(out) is _ndarray or isinstance(out, _ndarray):
@@ -191,7 +270,7 @@ def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str, like=None, com
             check_out(out, shape, dtype, op)  # raises, saying which
         if flags.c_contiguous:
             return out, out
-        return out, np.empty(shape, dtype)
+        return out, host_empty(shape, dtype)
     else:
         result = check_out(out, shape, dtype, op)
     if staged(comm):

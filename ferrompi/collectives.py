@@ -52,6 +52,7 @@ from ._arrays import (
     check_rank,
     copy_into,
     datatype_of,
+    host_empty,
     is_device,
     output,
     overlaps,
@@ -275,7 +276,7 @@ def _allreduce(
         dtype = x.dtype
         dt, mop, mean = reduction(op, dtype, _status.OPS[opcode])
         if out is None and like is None:
-            result = buf = np.empty(x.shape, dtype)
+            result = buf = host_empty(x.shape, dtype)
         elif out is x and like is None and x.flags.writeable:  # in place, plain numpy
             result = buf = x
         else:
@@ -477,7 +478,9 @@ def allreduce_coalesced(
         else:
             # without out=, the fused buffer becomes the results (views of it)
             total = ends[-1] if ends else 0
-            fused = np.empty(total, dtype) if out is None else state.fusion_buffer(dtype, total)
+            fused = (
+                host_empty((total,), dtype) if out is None else state.fusion_buffer(dtype, total)
+            )
             np.concatenate(parts, axis=None, out=fused)
         remaining = max(deadline - time.monotonic(), 1e-3)
         allreduce(fused, backend, op, out=fused, timeout=remaining)

@@ -34,6 +34,7 @@ from ._arrays import (
     check_rank,
     copy_into,
     datatype_of,
+    host_empty,
     is_device,
     output,
     overlaps,
@@ -310,7 +311,7 @@ def recv(
     CollectiveTimeout
         If no message arrives in time; says what ``src`` is doing.
     """
-    out = np.empty(_shape(shape, "recv"), _dtype(dtype, "recv"))
+    out = host_empty(_shape(shape, "recv"), _dtype(dtype, "recv"))
     return _recv_pending(out, src, backend, tag, timeout, _OP["recv"]).wait()
 
 

@@ -878,3 +878,56 @@ def test_an_mpi_error_in_a_collective_points_to_debug_mode(fm_world, debug_off):
         fm.broadcast(x, b)
     assert info.value.op == "broadcast"
     assert "FERROMPI_DEBUG" not in info.value.mpi_error  # MPI's own string, unchanged
+
+
+# ---------------------------------------------------------------------------
+# large new results: memory of earlier results, never of live ones
+# ---------------------------------------------------------------------------
+
+
+def _large_results(b):
+    from ferrompi import _arrays
+
+    rows = _arrays.POOL_FROM // 8 // 64  # 64 float64 per row: exactly POOL_FROM bytes
+    x = rank_data(b.rank, (rows, 64), np.float64, seed=5)
+    expected = sum(rank_data(r, (rows, 64), np.float64, seed=5) for r in range(b.world_size))
+    first = fm.allreduce(x, b)
+    view = first[::3]  # keeps first's memory in use after first is gone
+    del first
+    second = fm.allreduce(x * 2, b)
+    np.testing.assert_allclose(view, expected[::3])  # not overwritten by the second call
+    np.testing.assert_allclose(second, 2 * expected)
+    gathered = fm.all_gather(x, b)
+    assert not np.shares_memory(gathered, second) and not np.shares_memory(gathered, view)
+    np.testing.assert_array_equal(
+        gathered,
+        np.concatenate([rank_data(r, (rows, 64), np.float64, seed=5) for r in range(b.world_size)]),
+    )
+    return view.__array_interface__["data"][0], second.__array_interface__["data"][0]
+
+
+def test_large_new_results_never_share_memory_with_live_ones(group):
+    for view_at, second_at in group.run(_large_results):
+        assert view_at != second_at
+
+
+def test_host_pool_reuses_a_block_once_every_view_is_gone():
+    from ferrompi import _arrays
+
+    shape, dtype = (_arrays.POOL_FROM // 8,), np.dtype(np.float64)
+    a = _arrays.host_empty(shape, dtype)
+    at = a.ctypes.data
+    tail = a[1:]
+    del a
+    b = _arrays.host_empty(shape, dtype)
+    assert b.ctypes.data != at  # tail still uses that block
+    del tail
+    c = _arrays.host_empty(shape, dtype)
+    assert c.ctypes.data == at  # the block came back and is reused
+    assert np.empty(4).base is None and _arrays.host_empty((4,), dtype).base is None  # small
+    # idle blocks are bounded: of three given back, POOL_IDLE_PER_SIZE are kept
+    pool = _arrays._HostPool()
+    blocks = [pool.empty(shape, dtype) for _ in range(3)]
+    del blocks, b, c
+    kept = pool._idle[-(-_arrays.POOL_FROM // _arrays._POOL_GRAIN) * _arrays._POOL_GRAIN]
+    assert len(kept) == _arrays.POOL_IDLE_PER_SIZE
