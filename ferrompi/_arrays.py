@@ -63,7 +63,9 @@ class _HostPool:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # reentrant: a garbage collection inside a locked section may run the
+        # finalizer of another pooled array, which gives its block back here
+        self._lock = threading.RLock()
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
 
