@@ -931,3 +931,30 @@ def test_host_pool_reuses_a_block_once_every_view_is_gone():
     del blocks, b, c
     kept = pool._idle[-(-_arrays.POOL_FROM // _arrays._POOL_GRAIN) * _arrays._POOL_GRAIN]
     assert len(kept) == _arrays.POOL_IDLE_PER_SIZE
+
+
+def test_host_pool_gives_live_arrays_their_own_memory_across_threads():
+    import threading
+
+    from ferrompi import _arrays
+
+    shape, dtype = (_arrays.POOL_FROM // 8,), np.dtype(np.float64)
+    clashes = []
+
+    def work(tag: int) -> None:
+        for _ in range(20):
+            a = _arrays.host_empty(shape, dtype)
+            a[::4096] = tag  # one value per page is enough to see a shared block
+            held = a[::8192]  # a view keeps the block while a is dropped
+            del a
+            b = _arrays.host_empty(shape, dtype)
+            b[::4096] = -tag
+            if not (held == tag).all():
+                clashes.append(tag)
+
+    threads = [threading.Thread(target=work, args=(t + 1,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert clashes == []
