@@ -16,17 +16,23 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import sys
 import tempfile
 
 import pytest
 
 os.environ.setdefault("FERROMPI_TIMEOUT", "30")  # read by ferrompi at import
-# Timeouts dump flight records; keep them out of the working tree.
-os.environ.setdefault("FERROMPI_FLIGHT_DIR", tempfile.mkdtemp(prefix="ferrompi-flight-"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support import Group, set_verdict_comm
+
+# Timeouts dump flight records (read when they are written); keep them out of
+# the working tree, in a folder of this session's own, removed at its end
+# unless a test failed.
+FLIGHT_DIR = None
+if "FERROMPI_FLIGHT_DIR" not in os.environ:
+    FLIGHT_DIR = os.environ["FERROMPI_FLIGHT_DIR"] = tempfile.mkdtemp(prefix="ferrompi-flight-")
 
 SIM_SIZES = (1, 2, 3, 4)
 
@@ -61,6 +67,11 @@ def _temp_root_per_rank(config, rank: int) -> None:
 
 
 GROUP_FIXTURES = {"group": 1, "multigroup": 2}  # fixture name -> smallest group size
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if FLIGHT_DIR is not None and exitstatus == 0:
+        shutil.rmtree(FLIGHT_DIR, ignore_errors=True)
 
 
 def pytest_generate_tests(metafunc):

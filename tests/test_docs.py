@@ -22,6 +22,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -88,6 +89,17 @@ def test_pages_exist():
         assert required in names
 
 
+@pytest.fixture
+def temp_files_under_tmp_path(tmp_path, monkeypatch):
+    """The examples' ``tempfile.mkdtemp()`` folders go under pytest's ``tmp_path``.
+
+    pytest removes those with the runs it no longer keeps; the examples
+    themselves do not clean up, as a reader's session would not.
+    """
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+@pytest.mark.usefixtures("temp_files_under_tmp_path")
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_page_doctests(page):
     """The page's ``pycon`` blocks, as one doctest with the page's line numbers."""
@@ -158,6 +170,7 @@ def _modules() -> list[str]:
     return sorted(names)
 
 
+@pytest.mark.usefixtures("temp_files_under_tmp_path")
 @pytest.mark.parametrize("name", _modules())
 def test_module_doctests(name):
     """``doctest.testmod`` of one ferrompi module."""
