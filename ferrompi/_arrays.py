@@ -54,10 +54,10 @@ class _HostPool:
     """Large host arrays whose memory is reused once the arrays are gone.
 
     Each array lies in a block of the pool, behind an owner object of its
-    own (a ``ctypes`` array over the block: numpy keeps it as the base of
-    the array and of every view of it). When the last of them is gone, a
-    ``weakref.finalize`` on the owner gives the block back, so a result
-    never shares memory with another one that is alive. Idle blocks are
+    own: a ``ctypes`` array over the block, which numpy holds (as the base
+    of the array's base) for as long as the array or any view of it lives.
+    When the owner is gone, a ``weakref.finalize`` on it gives the block
+    back, so a result never shares memory with another one that is alive. Idle blocks are
     kept up to :data:`POOL_IDLE_BYTES` (:data:`POOL_IDLE_PER_SIZE` of each
     size); the others are freed.
     """
@@ -104,7 +104,7 @@ def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``np.empty(shape, dtype)``; from :data:`POOL_FROM` bytes, memory of earlier results.
 
     The array is a fresh one to its user: no other live array shares its
-    memory. Its ``base`` is the pool's owner object, not None.
+    memory. A pooled one does not own its data (its ``base`` is not None).
     """
     if math.prod(shape) * dtype.itemsize < POOL_FROM:
         return np.empty(shape, dtype)
