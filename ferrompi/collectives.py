@@ -46,6 +46,7 @@ import numpy as np
 
 from . import _shm, _status
 from ._arrays import (
+    POOL_FROM,
     array_module,
     as_input,
     check_out,
@@ -275,8 +276,10 @@ def _allreduce(
             x = as_input(x, _status.OPS[opcode], state.comm)
         dtype = x.dtype
         dt, mop, mean = reduction(op, dtype, _status.OPS[opcode])
-        if out is None and like is None:
-            result = buf = host_empty(x.shape, dtype)
+        if out is None and like is None:  # small ones skip host_empty's call: 0.1-0.2 us
+            result = buf = (
+                np.empty(x.shape, dtype) if x.nbytes < POOL_FROM else host_empty(x.shape, dtype)
+            )
         elif out is x and like is None and x.flags.writeable:  # in place, plain numpy
             result = buf = x
         else:
