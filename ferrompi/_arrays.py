@@ -57,9 +57,9 @@ class _HostPool:
     own: a ``ctypes`` array over the block, which numpy holds (as the base
     of the array's base) for as long as the array or any view of it lives.
     When the owner is gone, a ``weakref.finalize`` on it gives the block
-    back, so a result never shares memory with another one that is alive. Idle blocks are
-    kept up to :data:`POOL_IDLE_BYTES` (:data:`POOL_IDLE_PER_SIZE` of each
-    size); the others are freed.
+    back, so a result never shares memory with another one that is alive.
+    Idle blocks are kept up to :data:`POOL_IDLE_BYTES`
+    (:data:`POOL_IDLE_PER_SIZE` of each size); the others are freed.
     """
 
     def __init__(self) -> None:
@@ -69,8 +69,8 @@ class _HostPool:
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        count = math.prod(shape)
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, count: int) -> np.ndarray:
+        """An uninitialised array of ``shape`` (``count`` elements) and ``dtype``."""
         size = -(-count * dtype.itemsize // _POOL_GRAIN) * _POOL_GRAIN
         with self._lock:
             blocks = self._idle.get(size)
@@ -106,9 +106,10 @@ def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     The array is a fresh one to its user: no other live array shares its
     memory. A pooled one does not own its data (its ``base`` is not None).
     """
-    if math.prod(shape) * dtype.itemsize < POOL_FROM:
+    count = math.prod(shape)
+    if count * dtype.itemsize < POOL_FROM:
         return np.empty(shape, dtype)
-    return _POOL.empty(shape, dtype)
+    return _POOL.empty(shape, dtype, count)
 
 
 def is_device(x) -> bool:

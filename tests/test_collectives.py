@@ -927,7 +927,7 @@ def test_host_pool_reuses_a_block_once_every_view_is_gone():
     assert np.empty(4).base is None and _arrays.host_empty((4,), dtype).base is None  # small
     # idle blocks are bounded: of three given back, POOL_IDLE_PER_SIZE are kept
     pool = _arrays._HostPool()
-    blocks = [pool.empty(shape, dtype) for _ in range(3)]
+    blocks = [pool.empty(shape, dtype, shape[0]) for _ in range(3)]
     del blocks, b, c
     kept = pool._idle[-(-_arrays.POOL_FROM // _arrays._POOL_GRAIN) * _arrays._POOL_GRAIN]
     assert len(kept) == _arrays.POOL_IDLE_PER_SIZE
