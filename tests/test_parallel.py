@@ -209,6 +209,72 @@ def test_fsdp_errors(group):
     group.run(_fsdp_errors)
 
 
+def _fsdp_errors_before_groups(b):
+    model = MLP([2, 2])
+    model.params["0.bias"] = model.params["0.bias"].astype(np.float32)
+    with pytest.raises(fm.InvalidArgument, match="layer 0 mixes parameter dtypes"):
+        FullyShardedDataParallel(model, b, strategy=ShardingStrategy.HYBRID_SHARD)
+    with pytest.raises(fm.InvalidRank, match=f"rank {b.world_size} .*{b.world_size}"):
+        FullyShardedDataParallel(MLP([2, 2]), b, root=b.world_size)
+    # neither made a group nor started a collective: the next collective
+    # on b is the first every rank makes, so it matches
+    np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, b.world_size))
+
+
+def test_fsdp_errors_before_groups(group):
+    group.run(_fsdp_errors_before_groups)
+
+
+def _fsdp_close(b):
+    n = b.world_size
+    node_size = 2 if n % 2 == 0 else 1
+    x, y = data(4, seed=b.rank)
+    fsdp = FullyShardedDataParallel(
+        MLP(SIZES, seed=3), b, strategy=ShardingStrategy.HYBRID_SHARD, node_size=node_size
+    )
+    made = [g for g in (fsdp.shard_group, fsdp.replicate_group) if g is not None]
+    # the node group, and the group across nodes when there is more than one node
+    assert [g.world_size for g in made] == [node_size] + ([n // node_size] if n > node_size else [])
+    out, caches = fsdp.forward(x)
+    fsdp.backward(mse(out, y)[1], caches)
+    fsdp.step()
+    shards = {k: v.copy() for k, v in fsdp.shards.items()}
+    fsdp.close()
+    fsdp.close()  # a second close does nothing
+    for g in made:
+        with pytest.raises(fm.DistributedError, match="destroyed"):
+            fm.allreduce(np.ones(1), g)
+    with pytest.raises(fm.DistributedError, match="destroyed"):
+        fsdp.forward(x)
+    assert fsdp.shards.keys() == shards.keys()  # still readable
+    # the caller's group is untouched, and FULL_SHARD's close leaves it so
+    full = FullyShardedDataParallel(MLP(SIZES, seed=3), b)
+    full.close()
+    np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, n))
+    full.full_params()
+
+
+def test_fsdp_close_destroys_its_groups(group):
+    group.run(_fsdp_close)
+
+
+def _fsdp_many(b, models):
+    for _ in range(models):
+        fsdp = FullyShardedDataParallel(
+            MLP([2, 2]), b, strategy=ShardingStrategy.HYBRID_SHARD, node_size=1
+        )
+        fsdp.close()
+    return models
+
+
+@pytest.mark.mpi
+def test_fsdp_close_lets_a_program_build_more_models_than_mpi_has_communicators(group):
+    # node_size=1: each model splits off two groups; 1100 models make 2200,
+    # more than MPICH's 2048 communicators per process, so without close
+    # the split of a model near the 1000th fails
+    group.run(_fsdp_many, 1100)
+
+
 # ---------------------------------------------------------------------------
 # Pipeline
 # ---------------------------------------------------------------------------
@@ -277,6 +343,9 @@ def _pipeline_errors(b):
     stage = Sequential(stage_layers(b.rank, b.world_size))
     with pytest.raises(fm.InvalidArgument, match="num_microbatches"):
         Pipeline(stage, b, num_microbatches=0, loss_fn=mse)
+    if b.world_size == 1:  # the only rank is the last stage
+        with pytest.raises(fm.InvalidArgument, match="the last stage needs a loss_fn"):
+            Pipeline(stage, b, num_microbatches=4)
     pipe = Pipeline(stage, b, num_microbatches=4, loss_fn=mse)
     if b.rank == 0:
         with pytest.raises(fm.InvalidArgument, match="needs inputs"):
@@ -287,6 +356,26 @@ def _pipeline_errors(b):
 
 def test_pipeline_errors(group):
     group.run(_pipeline_errors)
+
+
+def _pipeline_close(b):
+    stage = Sequential(stage_layers(b.rank, b.world_size))
+    inputs = np.ones((4, 4)) if b.rank == 0 else None
+    pipe = Pipeline(stage, b, num_microbatches=2, loss_fn=mse)
+    before = pipe.predict(inputs)
+    pipe.close()
+    pipe.close()  # a second close does nothing
+    with pytest.raises(fm.DistributedError, match="destroyed"):
+        pipe.predict(inputs)
+    again = Pipeline(stage, b, num_microbatches=2, loss_fn=mse)  # b is untouched
+    after = again.predict(inputs)
+    again.close()
+    if b.rank == b.world_size - 1:
+        np.testing.assert_array_equal(after, before)
+
+
+def test_pipeline_close_destroys_its_communicator(group):
+    group.run(_pipeline_close)
 
 
 # ---------------------------------------------------------------------------

@@ -64,11 +64,13 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import collectives
+from .._arrays import check_rank
 from .._mpi import MPI
 from .._simcomm import SimComm
 from ..backend import Backend, wrap_comm
 from ..dtensor import chunk_range
 from ..errors import InvalidArgument
+from ..groups import destroy_process_group
 from ..models.mlp import Sequential
 from ..ops import ReduceOp
 from .optim import SGD
@@ -155,7 +157,10 @@ class FullyShardedDataParallel:
     ------
     InvalidArgument
         A layer whose parameters mix dtypes, a ``node_size`` that does not
-        divide the group, or an unknown strategy.
+        divide the group, or an unknown strategy; raised before any
+        communication.
+    InvalidRank
+        A ``root`` outside the group (with ``broadcast_parameters``).
     """
 
     def __init__(
@@ -172,10 +177,19 @@ class FullyShardedDataParallel:
     ) -> None:
         if not isinstance(strategy, ShardingStrategy):
             raise InvalidArgument(f"strategy must be a ShardingStrategy, not {strategy!r}")
+        for i, layer in enumerate(model.layers):  # before any group is made
+            dtypes = {model.params[f"{i}.{n}"].dtype for n in layer.param_names}
+            if len(dtypes) > 1:
+                raise InvalidArgument(
+                    f"FSDP: layer {i} mixes parameter dtypes {sorted(map(str, dtypes))}"
+                )
+        if broadcast_parameters:
+            check_rank(root, backend.world_size, "root", "FSDP")
         self.model = model
         self.backend = backend
         self.strategy = strategy
         self.forward_prefetch = forward_prefetch
+        self._own_groups: list[Backend] = []
         self.shard_group, self.replicate_group = self._groups(node_size)
         if broadcast_parameters:
             for name in model.params:
@@ -190,11 +204,6 @@ class FullyShardedDataParallel:
                 continue
             names = [f"{i}.{n}" for n in layer.param_names]
             arrays = [model.params[n] for n in names]
-            dtypes = {a.dtype for a in arrays}
-            if len(dtypes) != 1:
-                raise InvalidArgument(
-                    f"FSDP: layer {i} mixes parameter dtypes {sorted(map(str, dtypes))}"
-                )
             unit = _Unit(i, names, [a.shape for a in arrays], arrays[0].dtype, size)
             flat = np.concatenate([a.reshape(-1) for a in arrays])
             a, b = chunk_range(unit.total, size, rank)
@@ -225,7 +234,31 @@ class FullyShardedDataParallel:
         else:
             node = wrap_comm(b.comm.Split_type(MPI.COMM_TYPE_SHARED, key=b.rank), b)
         across = b.split(node.rank, key=b.rank)
-        return node, (across if across.world_size > 1 else None)
+        self._own_groups.append(node)
+        if across.world_size == 1:  # one node: nothing to replicate across
+            destroy_process_group(across)
+            return node, None
+        self._own_groups.append(across)
+        return node, across
+
+    def close(self) -> None:
+        """Free the groups this object made; collective over ``backend``.
+
+        ``HYBRID_SHARD`` makes two groups (the ranks of this node, and the
+        ranks holding the same shard on the other nodes): :meth:`close`
+        destroys them (:func:`~ferrompi.destroy_process_group`), so that a
+        program that builds many models does not run out of communicators.
+        Every rank of ``backend`` must call it. Afterwards
+        :meth:`forward`, :meth:`backward`, :meth:`step` and
+        :meth:`full_params` of a ``HYBRID_SHARD`` model raise
+        :class:`~ferrompi.DistributedError`, and the shards stay readable
+        (:attr:`shards`). The other strategies communicate on ``backend``
+        itself, which stays the caller's: for them :meth:`close` does
+        nothing. A second call does nothing.
+        """
+        groups, self._own_groups = self._own_groups, []
+        for group in groups:
+            destroy_process_group(group)
 
     # -- gathering ---------------------------------------------------------
 

@@ -50,7 +50,8 @@ import numpy as np
 from .. import p2p
 from ..backend import Backend
 from ..dtensor import chunk_range
-from ..errors import InvalidArgument
+from ..errors import DistributedError, InvalidArgument
+from ..groups import destroy_process_group
 from ..models.mlp import Sequential
 
 __all__ = ["Pipeline", "build_schedule"]
@@ -133,15 +134,33 @@ class Pipeline:
         self.kind = schedule
         self.micro = num_microbatches
         self.loss_fn = loss_fn
+        if backend.rank == backend.world_size - 1 and loss_fn is None:
+            raise InvalidArgument("the last stage needs a loss_fn")
         self.group = backend.split(0, key=backend.rank)  # the pipeline's own communicator
         self.index = self.group.rank
         self.stages = self.group.world_size
         self.is_first = self.index == 0
         self.is_last = self.index == self.stages - 1
-        if self.is_last and loss_fn is None:
-            raise InvalidArgument("the last stage needs a loss_fn")
         self.grads = {k: np.zeros_like(v) for k, v in stage.params.items()}
         self.peak_in_flight = 0
+
+    def close(self) -> None:
+        """Free the pipeline's own communicator; collective over ``backend``.
+
+        Every stage must call it, once its last :meth:`step` or
+        :meth:`predict` has returned (:func:`~ferrompi.destroy_process_group`
+        on :attr:`group`), so that a program that builds many pipelines does
+        not run out of communicators. Afterwards :meth:`step` and
+        :meth:`predict` raise :class:`~ferrompi.DistributedError`; a second
+        call does nothing.
+        """
+        destroy_process_group(self.group)
+
+    def _require_open(self, name: str) -> None:
+        # a one-stage pipeline sends nothing, so the group would not tell
+        broken = self.group._state.broken
+        if broken is not None:
+            raise DistributedError(f"Pipeline.{name}: {broken}")
 
     def zero_grad(self) -> None:
         for g in self.grads.values():
@@ -167,6 +186,7 @@ class Pipeline:
         Returns the outputs on the last stage (``None`` elsewhere); ``inputs``
         is needed on the first stage only.
         """
+        self._require_open("predict")
         if self.is_first and inputs is None:
             raise InvalidArgument("the first stage needs inputs")
         pending: list = []
@@ -205,7 +225,10 @@ class Pipeline:
         ------
         InvalidArgument
             Missing inputs/targets, or fewer rows than micro-batches.
+        DistributedError
+            After :meth:`close`.
         """
+        self._require_open("step")
         if self.is_first and inputs is None:
             raise InvalidArgument("the first stage needs inputs")
         if self.is_last and targets is None:
