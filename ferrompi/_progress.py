@@ -6,7 +6,7 @@ engine, as a blocking ``Wait`` would): first up to 64 times in a bare loop
 (``_status.quick_tests``; a small message completes there), then in a loop
 that also watches the clock. After 512 tests it calls ``sched_yield`` at one
 test in 1024, and when the node runs more ranks than there are cores, at
-every test after 32 (8 in a collective's wait), so that a peer that needs the
+every test after 2 (4 in a collective's wait), so that a peer that needs the
 core gets it (``_status.yield_after``, ``_status.collective_yield_after``,
 ``_status.yield_every``); it reads the clock once
 every 256 tests to check the deadline. It never sleeps: MPI progresses only
@@ -15,8 +15,8 @@ while some thread calls into it, so a sleeping rank would stall its peers.
 Cost model (measured here with MPICH, 2 cores): one ``Test`` costs about
 0.1-0.3 us, and ``sched_yield`` about 0.7 us when no other process waits for
 the core, so completion is noticed within about 0.5 us. With 4 ranks on 2
-cores, yielding after 16 tests matches MPICH's own blocking calls (18 us for
-a 16-byte allreduce, against 228 us when yielding only after 1024 tests);
+cores, yielding soon matches MPICH's own blocking calls (18 us for a
+16-byte allreduce, against 228 us when yielding only after 1024 tests);
 with 2 ranks on 2 cores, yielding at every test after 512 made the 64 MiB
 uneven all-to-all 10-20 % slower than raw MPI (MPI's progress engine moves a
 large message only while it is called), one test in 64 5-10 % faster; one in

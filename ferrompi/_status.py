@@ -228,22 +228,21 @@ _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
 #: Tests a point-to-point wait makes before it starts yielding its core
-#: (``sched_yield``): 16 when this node runs more ranks than its ranks have
+#: (``sched_yield``): 2 when this node runs more ranks than its ranks have
 #: CPUs (:func:`node_cpus`; a spinning rank would hold a core its peer
-#: needs), else 512
-#: (about 150 us): short waits spin, as MPI's own blocking calls do, and do not
-#: hand the core to unrelated processes; long ones yield, so that a peer the
-#: kernel descheduled (other load on the machine) gets a core to finish on.
-#: ``FERROMPI_YIELD=1``/``0`` forces 16 or never. Set when
-#: :func:`ferrompi.init` creates the node's board.
+#: needs: with the peer on this rank's core, a 4 B ``sendrecv`` took 2.4x
+#: raw ``Sendrecv``'s time yielding after 16 tests, 1.7x after 2, and the
+#: same as after 16 with the peer on the other core; docs/timeouts.md),
+#: else 512 (about 150 us): short waits spin, as MPI's own blocking calls
+#: do, and do not hand the core to unrelated processes; long ones yield, so
+#: that a peer the kernel descheduled (other load on the machine) gets a
+#: core to finish on. ``FERROMPI_YIELD=1``/``0`` forces 2 or never. Set
+#: when :func:`ferrompi.init` creates the node's board.
 yield_after = 16
 
 #: :data:`yield_after` of a collective's waits: 4 when this node runs more
-#: ranks than cores, else the same as point-to-point waits. A collective
-#: waits for every rank of its group, and with two ranks per core one of
-#: them is most often on this rank's core, where it runs only once this
-#: rank yields; a point-to-point peer is on another core as often as not,
-#: and spinning catches its message sooner (docs/timeouts.md).
+#: ranks than cores (1 and 2 took 0.9-1.05 of its time, one case 0.86;
+#: docs/timeouts.md), else the same as point-to-point waits.
 collective_yield_after = 4
 
 #: After :data:`yield_after` tests, a wait yields at one test in this many:
@@ -305,8 +304,8 @@ def _yield_policy(node_ranks: int, cpus: int) -> tuple[int, int, int]:
     """
     forced = os.environ.get("FERROMPI_YIELD", "").strip()
     if forced in ("0", "1"):
-        return (16, 4, 1) if forced == "1" else (1 << 62, 1 << 62, 1)
-    return (16, 4, 1) if node_ranks > cpus else (512, 512, 1024)
+        return (2, 4, 1) if forced == "1" else (1 << 62, 1 << 62, 1)
+    return (2, 4, 1) if node_ranks > cpus else (512, 512, 1024)
 
 
 def process_participant(create_board: bool = False) -> Participant:
