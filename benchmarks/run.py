@@ -34,7 +34,8 @@ Sizes are the bytes of each rank's input buffer (float32 elements, rounded
 up to a multiple of the number of ranks where the operation splits it).
 ``all_to_all_uneven`` sends rank ``r`` ``(r + j) % 3 + 1`` parts of ``n /
 (3 p)`` rows to rank ``j`` (``Alltoallv``); ``sendrecv`` exchanges with the
-neighbour ``rank ^ 1`` (ring neighbour for odd sizes);
+neighbour ``rank ^ 1`` (for odd sizes, sends to the next rank of the ring
+and receives from the previous one);
 ``allreduce_coalesced`` reduces 100 arrays of 4 KiB, fused and as 100 calls.
 
 ``--ops allreduce_cupy`` (not in the default list) is the GPU row: allreduce
@@ -340,17 +341,8 @@ class Calls:
             dst, src = (r + 1) % p, (r - 1) % p
         x, out = self._arrays(max(1, nbytes // 4))
         w, c = self.world, self.comm
-        if dst == src:
-            fm_call = lambda: fm.sendrecv(x, out.shape, dst, w, out=out)  # noqa: E731
-        else:
-
-            def fm_call():
-                req = fm.isend(x, dst, w)
-                fm.recv_into(out, src, w)
-                req.wait()
-
         calls = {
-            "ferrompi": fm_call,
+            "ferrompi": lambda: fm.sendrecv(x, out.shape, dst, w, source=src, out=out),
             "mpi4py": lambda: c.Sendrecv(x, dst, 0, out, src, 0),
         }
         if self.dist:

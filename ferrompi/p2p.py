@@ -403,38 +403,80 @@ def _mismatch(buf, nbytes: int, op: str) -> SizeMismatch:
 
 
 def sendrecv(
-    x, recv_shape, peer: int, backend: Backend, tag: int = 0, *, out=None, timeout: Timeout = None
+    x,
+    recv_shape,
+    peer: int,
+    backend: Backend,
+    tag: int = 0,
+    *,
+    source: int | None = None,
+    out=None,
+    timeout: Timeout = None,
 ) -> np.ndarray:
-    """Send ``x`` to ``peer`` and receive ``peer``'s array of ``recv_shape`` (same dtype).
+    """Send ``x`` to ``peer`` and receive an array of ``recv_shape`` (same dtype) from it.
 
-    Both directions proceed together (an ``Irecv`` and an ``Isend``), so two
-    ranks exchanging with each other cannot deadlock.
+    ``MPI_Sendrecv``: both directions proceed together (an ``Irecv`` and an
+    ``Isend``), so two ranks exchanging with each other cannot deadlock, nor
+    can a ring in which every rank sends to the next and receives from the
+    previous one (``source=``).
+
+    Parameters
+    ----------
+    x : array_like
+        What this rank sends to ``peer``.
+    recv_shape : tuple of int
+        Shape of the array received.
+    peer : int
+        The rank ``x`` goes to, and, unless ``source`` is given, the rank the
+        result comes from.
+    backend : Backend
+        The group.
+    tag : int
+        Tag of both messages.
+    source : int, optional
+        The rank the result comes from, when it is not ``peer``
+        (``MPI_Sendrecv``'s ``source``: a shift along a ring). A timeout names
+        this rank.
+    out : numpy.ndarray or cupy.ndarray, optional
+        Where to receive (shape ``recv_shape``, dtype of ``x``).
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
 
     Returns
     -------
     numpy.ndarray or cupy.ndarray
-        What ``peer`` sent, shape ``recv_shape``, dtype of ``x``; the kind of
-        ``out``, else of ``x``.
+        What ``source`` (default ``peer``) sent, shape ``recv_shape``, dtype
+        of ``x``; the kind of ``out``, else of ``x``.
 
     Raises
     ------
     SizeMismatch
-        If the peer's message does not hold exactly ``prod(recv_shape)``
+        If the received message does not hold exactly ``prod(recv_shape)``
         elements (the receive is posted before the send, straight into the
         buffer, so a larger message reports ``got=None``; the message is
         consumed either way).
+    SelfSend
+        If ``peer`` or ``source`` is this rank.
+    InvalidRank
+        If ``peer`` or ``source`` is outside the group.
 
     Examples
     --------
     >>> import numpy as np, ferrompi as fm
     >>> fm.SimulatedBackend.run(2, lambda b: fm.sendrecv(np.full(2, b.rank), (2,), 1 - b.rank, b))
     [array([1, 1]), array([0, 0])]
+    >>> def shift(b):  # to the next rank, from the previous one
+    ...     n, r = b.world_size, b.rank
+    ...     return fm.sendrecv(np.array([r]), (1,), (r + 1) % n, b, source=(r - 1) % n)
+    >>> fm.SimulatedBackend.run(3, shift)
+    [array([2]), array([0]), array([1])]
     """
     state = backend._state
     opcode = _OP["sendrecv"]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         peer = _peer(state, peer, "sendrecv", "peer")
+        source = peer if source is None else _peer(state, source, "sendrecv", "source")
         tag = _tag(tag, "sendrecv")
         shape = _shape(recv_shape, "sendrecv")
         if plain_pair(x, out, shape) is not None:  # plain numpy: checked in one call
@@ -448,12 +490,12 @@ def sendrecv(
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
-    state.begin(opcode, state.world_ranks[peer])
+    state.begin(opcode, state.world_ranks[source])  # the rank it waits for
     status = MPI.Status()
     comm = state.comm
     try:
         req = _SendRecv(
-            comm.Irecv([buf, buf.nbytes, _BYTE], peer, tag),
+            comm.Irecv([buf, buf.nbytes, _BYTE], source, tag),
             comm.Isend([x, x.nbytes, _BYTE], peer, tag),
         )
     except MPI.Exception as exc:
@@ -461,7 +503,7 @@ def sendrecv(
         raise mpi_error("sendrecv", exc) from None
     keep = (buf, status, "sendrecv", x)
     return complete(
-        state, opcode, 0, req, result, _check_received, keep, timeout, peer, status, buf.size
+        state, opcode, 0, req, result, _check_received, keep, timeout, source, status, buf.size
     )
 
 

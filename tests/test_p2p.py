@@ -22,9 +22,15 @@ def _ring(b):
         fm.send(data, nxt, b, tag=4)
     np.testing.assert_array_equal(got, rank_data(prv, (3, 2), np.float32))
     # sendrecv in a ring: both directions at once, no ordering needed
-    got = fm.sendrecv(np.full(4, rank, np.int16), (4,), nxt, b) if size == 2 else None
-    if size == 2:
+    got = fm.sendrecv(np.full(4, rank, np.int16), (4,), nxt, b, source=prv)
+    np.testing.assert_array_equal(got, np.full(4, prv, np.int16))
+    if size == 2:  # with one peer, source defaults to it
+        got = fm.sendrecv(np.full(4, rank, np.int16), (4,), nxt, b)
         np.testing.assert_array_equal(got, np.full(4, nxt, np.int16))
+    # the other way round, into out=, with a tag
+    out = np.zeros((2, 2))
+    assert fm.sendrecv(rank_data(rank, (2, 2)), (2, 2), prv, b, 5, source=nxt, out=out) is out
+    np.testing.assert_array_equal(out, rank_data(nxt, (2, 2)))
     # isend / irecv, posted before either completes
     recv = fm.irecv((5,), prv, b, dtype=np.int64, tag=9)
     send = fm.isend(np.arange(5) * (rank + 1), nxt, b, tag=9)
@@ -170,6 +176,13 @@ def _bad_peers(b):
         fm.recv((2,), rank, b)
     with pytest.raises(fm.SelfSend):
         fm.sendrecv(np.ones(2), (2,), rank, b)
+    with pytest.raises(fm.SelfSend, match="self rank"):
+        fm.sendrecv(np.ones(2), (2,), (rank + 1) % size, b, source=rank)
+    with pytest.raises(fm.InvalidRank) as info:
+        fm.sendrecv(np.ones(2), (2,), (rank + 1) % size, b, source=size)
+    assert (info.value.rank, info.value.world_size) == (size, size)
+    with pytest.raises(fm.InvalidArgument, match="source must be an integer rank"):
+        fm.sendrecv(np.ones(2), (2,), (rank + 1) % size, b, source=1.0)
     with pytest.raises(fm.InvalidRank) as info:
         fm.send(np.ones(1), size + 3, b)
     assert (info.value.rank, info.value.world_size) == (size + 3, size)

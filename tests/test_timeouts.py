@@ -71,6 +71,22 @@ def test_rank_blocked_elsewhere_is_described(multigroup):
     multigroup.run(_rank_in_other_call)
 
 
+def _sendrecv_names_its_source(b):
+    """A shift whose source never sends: the timeout names the source, not the destination."""
+    size, rank = b.world_size, b.rank
+    if rank == 0:
+        with pytest.raises(fm.CollectiveTimeout) as info:
+            fm.sendrecv(np.ones(1), (1,), 1, b, source=size - 1, timeout=1.0)
+        assert f"sendrecv with rank {size - 1} timed out after 1 s" in str(info.value)
+    elif rank == 1:
+        np.testing.assert_array_equal(fm.recv((1,), 0, b, np.float64), [1.0])
+    # the last rank sends nothing; the others never call again on b (broken on rank 0)
+
+
+def test_sendrecv_timeout_names_its_source(multigroup):
+    multigroup.run(_sendrecv_names_its_source)
+
+
 def _local_rejection_is_reported(b):
     """A rank whose input was rejected locally never arrives; its peers see
     that on the status board and raise at once instead of timing out."""
