@@ -4,7 +4,9 @@
   the ``group`` fixture run on simulated groups of 1, 2, 3 and 4 ranks.
 * ``mpiexec -n N python -m pytest --with-mpi``: only tests marked ``mpi`` or
   taking ``group`` (then run on the world of N ranks); tests marked
-  ``mpi(min_size=k)`` with ``k > N`` are deselected, not skipped. Every test
+  ``mpi(min_size=k)`` with ``k > N``, and those marked ``max_world_size(k)``
+  with ``k < N`` (torch's values in ``fixtures/`` exist for 1-4 ranks), are
+  deselected, not skipped. Every test
   kept is marked ``fm_collective`` (ferrompi's pytest plugin,
   ``ferrompi/pytest_plugin.py``): a failure on one rank fails the test on
   every rank as ``rank R failed: ...`` with that rank's traceback in rank 0's
@@ -96,10 +98,15 @@ def pytest_collection_modifyitems(config, items):
         size = MPI.COMM_WORLD.size
         for item in items:
             marker = item.get_closest_marker("mpi")
-            uses_group = any(n in GROUP_FIXTURES for n in getattr(item, "fixturenames", ()))
-            if marker is None and not uses_group:
+            largest = item.get_closest_marker("max_world_size")
+            groups = [n for n in getattr(item, "fixturenames", ()) if n in GROUP_FIXTURES]
+            if marker is None and not groups:
+                drop.append(item)
+            elif any(GROUP_FIXTURES[n] > size for n in groups):  # multigroup under -n 1
                 drop.append(item)
             elif marker is not None and marker.kwargs.get("min_size", 1) > size:
+                drop.append(item)
+            elif largest is not None and largest.args[0] < size:
                 drop.append(item)
             else:
                 item.add_marker(pytest.mark.fm_collective)

@@ -336,7 +336,7 @@ MISMATCHED_CALLS = {
     # operation -> (rank 0's input, the other ranks' input); run on the engine
     "allreduce rows": (np.ones(600), np.ones(300)),
     "allreduce dtype": (np.ones(300), np.ones(300, np.int64)),
-    "reduce_scatter": (np.ones((12, 50)), np.ones((12, 25))),
+    "reduce_scatter": (np.ones((840, 2)), np.ones((840, 1))),  # rows divide by 1-8 ranks
     "all_gather": (np.ones(100), np.ones(60)),
 }
 
