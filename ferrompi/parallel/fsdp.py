@@ -249,12 +249,12 @@ class FullyShardedDataParallel:
         destroys them (:func:`~ferrompi.destroy_process_group`), so that a
         program that builds many models does not run out of communicators.
         Every rank of ``backend`` must call it. Afterwards
-        :meth:`forward`, :meth:`backward`, :meth:`step` and
-        :meth:`full_params` of a ``HYBRID_SHARD`` model raise
-        :class:`~ferrompi.DistributedError`, and the shards stay readable
-        (:attr:`shards`). The other strategies communicate on ``backend``
-        itself, which stays the caller's: for them :meth:`close` does
-        nothing. A second call does nothing.
+        :meth:`forward`, :meth:`backward` and :meth:`full_params` of a
+        ``HYBRID_SHARD`` model raise :class:`~ferrompi.DistributedError`;
+        :meth:`step` (local) and the shards (:attr:`shards`) stay usable.
+        The other strategies communicate on ``backend`` itself, which stays
+        the caller's: for them :meth:`close` does nothing. A second call does
+        nothing.
         """
         groups, self._own_groups = self._own_groups, []
         for group in groups:
