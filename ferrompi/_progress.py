@@ -133,6 +133,7 @@ class CommState:
         "__weakref__",
         "broken",
         "comm",
+        "crowded",
         "destroyed",
         "flight",
         "fusion",
@@ -168,6 +169,7 @@ class CommState:
         self.flight = participant.flight.ring
         self.last: list | None = None
         self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
+        self.crowded: bool | None = None  # one node with more ranks than CPUs (collectives)
         self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
         self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
         self.rejected = 0  # the collective this rank last rejected locally, until settled

@@ -55,7 +55,9 @@ Environment:
 ``FERROMPI_SHM_THRESHOLD``
     Message size in bytes from which blocking allreduce (on one node or
     across nodes), reduce_scatter and all_gather use the engine, at every
-    larger size; overrides the defaults (:data:`THRESHOLDS`, :data:`CEILINGS`).
+    larger size, on every node; overrides the defaults (:data:`THRESHOLDS`,
+    lower for allreduce and all_gather on a node with more ranks than CPUs,
+    and :data:`CEILINGS`).
 ``FERROMPI_SHM_GROUP_SIZE``
     Treat consecutive blocks of this many ranks as one node (default: the
     real nodes, from ``Split_type``). Every block must still lie within one
@@ -96,11 +98,23 @@ __all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "en
 #: hierarchical allreduce starts at 1 MiB instead: the alpha-beta model
 #: fitted to this machine (docs/performance.md; a network cannot be measured
 #: here) has MPICH's own algorithms faster below that on 64 nodes of 8 ranks.
+#:
+#: ``allreduce_crowded`` and ``all_gather_crowded`` apply instead on a node
+#: that runs more ranks than it has CPUs, to a group that lies on that one
+#: node: a rank there waits for its peers' time slices, and MPICH's
+#: algorithms, which wait more often than one engine round, lose sooner.
+#: With 4 and 3 ranks on 2 cores (both paths in one job, docs/performance.md)
+#: the engine took 0.62-0.63 / 0.92 of the MPI path's time for allreduce at
+#: 4 KiB and 0.64-0.72 at 8 KiB, but 1.17-1.18 / 0.91 at 2 KiB; for
+#: all_gather 0.67-0.81 / 0.93 at 4 KiB, 1.02-1.06 / 0.89 at 1-2 KiB.
+#: Never above the uncrowded thresholds.
 THRESHOLDS = {
     "allreduce": 16 << 10,
+    "allreduce_crowded": 4 << 10,
     "allreduce_hierarchical": 1 << 20,
     "reduce_scatter": 16 << 10,
     "all_gather": 8 << 10,
+    "all_gather_crowded": 4 << 10,
 }
 
 #: Default message sizes (bytes per rank) above which an operation goes back

@@ -168,6 +168,24 @@ def _node_engine(
     return engine or None
 
 
+def _crowded_node(state) -> bool:
+    """Whether the group lies on one node that runs more ranks than it has CPUs.
+
+    Read from the node's status board (its ranks, and the CPUs they may run
+    on together), so the same on every rank of the group; False for a group
+    that spans nodes, on every rank. Decides the engine's lower thresholds
+    (:data:`ferrompi._shm.THRESHOLDS`); computed once per communicator.
+    """
+    crowded = state.crowded
+    if crowded is None:
+        board = state.participant.board
+        rows = board.rows
+        crowded = state.crowded = 0 < board.cpus < len(rows) and all(
+            r in rows for r in state.world_ranks
+        )
+    return crowded
+
+
 def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int) -> None:
     """Wait, under the timeout, until every rank is about to build the node engine.
 
@@ -290,7 +308,12 @@ def _allreduce(
         raise
     n = x.size
     divisor = state.size if mean else 0
-    if blocking and x.nbytes >= _shm.LIMITS["allreduce"] and _on_host(x, buf):
+    if (
+        blocking
+        and x.nbytes >= _shm.LIMITS["allreduce_crowded"]  # never above LIMITS["allreduce"]
+        and _on_host(x, buf)
+        and (x.nbytes >= _shm.LIMITS["allreduce"] or _crowded_node(state))
+    ):
         engine = _node_engine(backend, timeout, opcode, x.nbytes)
         if engine is not None and (
             engine.rail is None or x.nbytes >= _shm.LIMITS["allreduce_hierarchical"]
@@ -663,8 +686,9 @@ def _all_gather(
     n = x.size
     if (
         blocking
-        and _shm.LIMITS["all_gather"] <= x.nbytes <= _shm.UPPER_LIMITS["all_gather"]
+        and _shm.LIMITS["all_gather_crowded"] <= x.nbytes <= _shm.UPPER_LIMITS["all_gather"]
         and _on_host(x, buf)
+        and (x.nbytes >= _shm.LIMITS["all_gather"] or _crowded_node(state))
     ):
         engine = _node_engine(backend, timeout, opcode, x.nbytes)
         if engine is not None and engine.rail is None:

@@ -59,6 +59,16 @@ def fresh_world() -> fm.MPIBackend:
     return fm.MPIBackend(MPI.COMM_WORLD.Dup(), timeout=30)
 
 
+def crowded_node() -> bool:
+    """Whether the world lies on one node with more ranks than CPUs (from MPI and affinity)."""
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    one_node = node.Get_size() == world.Get_size()
+    node.Free()
+    cpus = set().union(*world.allgather(os.sched_getaffinity(0)))
+    return one_node and world.Get_size() > len(cpus)
+
+
 def reference(op: fm.ReduceOp, xs: list[np.ndarray]) -> np.ndarray:
     """Rank-order reduction, left to right (the engine's documented order)."""
     ufunc = _NUMPY[op.name]
@@ -183,8 +193,10 @@ def test_a_bad_thread_count_raises_before_the_engine_is_built(engine_everywhere,
 
 def test_default_thresholds_route_to_the_engine():
     # the defaults, not the fixture: allreduce and reduce_scatter from 16 KiB
-    # of input per rank run on the engine, a size below through MPI, and
-    # all give MPI's integer sums bit for bit
+    # of input per rank run on the engine, a size below through MPI (but
+    # allreduce from 4 KiB on a node of more ranks than CPUs), and all give
+    # MPI's integer sums bit for bit
+    crowded = crowded_node()
     b = fresh_world()
     p, r = b.world_size, b.rank
     ran = {}
@@ -204,7 +216,7 @@ def test_default_thresholds_route_to_the_engine():
         np.testing.assert_array_equal(fm.reduce_scatter(x, b), mpi)
         ran["reduce_scatter", kib] = engine_rounds(b) > rounds
     assert ran == {
-        ("allreduce", 12): False,
+        ("allreduce", 12): crowded,
         ("reduce_scatter", 12): False,
         ("allreduce", 16): True,
         ("reduce_scatter", 16): True,
@@ -240,8 +252,10 @@ def test_a_crowded_node_runs_large_reduce_scatter_through_mpi(monkeypatch):
 
 
 def test_default_all_gather_window():
-    # the defaults: all_gather uses the engine from 8 KiB to 1 MiB per rank
-    # only, and every size gives MPI's bytes
+    # the defaults: all_gather uses the engine from 8 KiB (4 KiB on a node of
+    # more ranks than CPUs) to 1 MiB per rank only, and every size gives
+    # MPI's bytes
+    crowded = crowded_node()
     b = fresh_world()
     p, r = b.world_size, b.rank
     ran = []
@@ -252,7 +266,35 @@ def test_default_all_gather_window():
         rounds = engine_rounds(b)
         np.testing.assert_array_equal(fm.all_gather(x, b), mpi)
         ran.append(engine_rounds(b) > rounds)
-    assert ran == [False, True, True, False]
+    assert ran == [crowded, True, True, False]
+
+
+def test_a_crowded_node_takes_the_engine_from_smaller_sizes():
+    # allreduce and all_gather of a group within one node of more ranks than
+    # CPUs use the engine from 4 KiB per rank; 2 KiB goes through MPI anyway
+    crowded = crowded_node()
+    b = fresh_world()
+    p, r = b.world_size, b.rank
+    ran = {}
+    for kib in (2, 4):
+        x = rank_data(r, (kib * 128,), np.int64, seed=kib)
+        rounds = engine_rounds(b)
+        mpi = np.empty_like(x)
+        b.comm.Allreduce(x, mpi, MPI.SUM)
+        np.testing.assert_array_equal(fm.allreduce(x, b), mpi)
+        ran["allreduce", kib] = engine_rounds(b) > rounds
+        rounds = engine_rounds(b)
+        mpi = np.empty(p * x.size, np.int64)
+        b.comm.Allgather(x, mpi)
+        np.testing.assert_array_equal(fm.all_gather(x, b), mpi)
+        ran["all_gather", kib] = engine_rounds(b) > rounds
+    assert b._state.crowded is crowded
+    assert ran == {
+        ("allreduce", 2): False,
+        ("all_gather", 2): False,
+        ("allreduce", 4): crowded,
+        ("all_gather", 4): crowded,
+    }
 
 
 def test_across_nodes_the_engine_starts_at_the_hierarchical_threshold(monkeypatch):
@@ -366,13 +408,13 @@ def test_ranks_that_pass_different_arrays_to_the_engine_raise_at_once(engine_eve
 
 @pytest.mark.parametrize("warm", [True, False], ids=["engine built", "first use"])
 def test_sizes_on_both_sides_of_the_engine_threshold_raise_at_once(warm):
-    # the defaults: rank 0's 80 000 bytes take the engine, the others' 8 000 MPI;
+    # the defaults: rank 0's 80 000 bytes take the engine, the others' 3 200 MPI;
     # before the check, both sides waited for their timeout, or (first use) hung
     b = fresh_world()
     if warm:
         fm.allreduce(np.ones(1 << 14), b)  # 128 KiB: builds the engine
-    n = 10_000 if b.rank == 0 else 1_000
-    assert _shm.LIMITS["allreduce"] <= 8 * 10_000 and 8 * 1_000 < _shm.LIMITS["allreduce"]
+    n = 10_000 if b.rank == 0 else 400
+    assert _shm.LIMITS["allreduce"] <= 8 * 10_000 and 8 * 400 < _shm.LIMITS["allreduce_crowded"]
     start = time.monotonic()
     with pytest.raises(fm.DistributedError) as info:
         fm.allreduce(np.ones(n), b, timeout=20)
