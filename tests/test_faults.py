@@ -68,7 +68,7 @@ DEAD_RANK = """
         for i in range(1000):
             if w.rank == VICTIM and i == 20:
                 os._exit(3)  # dies without a word, in the middle of the loop
-            fm.allreduce(np.ones(1000), w, timeout=TIMEOUT)
+            fm.allreduce(np.ones(400), w, timeout=TIMEOUT)  # 3200 B: below the engine
             last_ok = time.monotonic()
         print(json.dumps({{"rank": w.rank, "error": None}}), flush=True)
     except fm.DistributedError as e:
