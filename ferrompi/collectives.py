@@ -179,11 +179,14 @@ def _crowded_node(state) -> bool:
     crowded = state.crowded
     if crowded is None:
         board = state.participant.board
-        rows = board.rows
-        crowded = state.crowded = 0 < board.cpus < len(rows) and all(
-            r in rows for r in state.world_ranks
-        )
+        crowded = state.crowded = 0 < board.cpus < len(board.rows) and _on_one_node(state)
     return crowded
+
+
+def _on_one_node(state) -> bool:
+    """Whether every rank of the group is on this rank's node (its status board)."""
+    rows = state.participant.board.rows
+    return all(r in rows for r in state.world_ranks)
 
 
 def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int) -> None:
@@ -198,8 +201,7 @@ def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int
     :class:`DistributedError` there.
     """
     state = backend._state
-    rows = state.participant.board.rows
-    if not all(r in rows for r in state.world_ranks):  # several nodes
+    if not _on_one_node(state):  # several nodes
         backend.gather_arrival("shm_setup", timeout)
         return
     setup = _OP["shm_setup"]
