@@ -716,14 +716,14 @@ def rejection_error(
 def wait_step(state: CommState, opcode: int, seq: int, req, timeout: float | None) -> None:
     """Wait for ``req``, a first step of collective ``seq`` that goes on communicating.
 
-    The checks and errors of :meth:`PendingCollective.wait`, but the
-    operation stays active on the status board and in the flight record:
-    its end is recorded by the step that completes it. A step that finishes
-    within the bare test loop builds no object (the common case).
+    The checks and errors of :func:`complete`, but the operation stays
+    active on the status board and in the flight record: its end is
+    recorded by the step that completes it. Like :func:`complete`, it builds
+    no object unless the deadline passes.
     """
     if req.Test() or _quick_test(req.Test, None, True):
         return
-    PendingCollective(state, opcode, seq, (req,), None, None, timeout).wait()
+    complete(state, opcode, seq, req, None, timeout=timeout)
     rec = state.rec
     rec[_W_STATE] = _ACTIVE
     rec[_W_T_END] = 0

@@ -51,6 +51,30 @@ def test_late_rank_is_named(multigroup):
     multigroup.run(_late_rank)
 
 
+def _late_rank_in_a_first_step(b):
+    """The uneven all-to-all waits first for its split tables: a late rank is named there too."""
+    size, rank = b.world_size, b.rank
+    late = size - 1
+    x, splits = np.full(size, float(rank)), [1] * size  # rows small enough to travel inline
+    fm.barrier(b)  # collective #1
+    if rank == late:
+        time.sleep(1.2)
+        # one exchange in all, which the peers posted before giving up: it completes
+        got = fm.all_to_all_single_uneven(x, splits, None, b, timeout=5.0)
+        np.testing.assert_array_equal(got, np.arange(size, dtype=float))
+        return
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        fm.all_to_all_single_uneven(x, splits, None, b, timeout=0.5)
+    assert info.value.missing == (late,)
+    assert f"rank {late} has not reached all_to_all_single_uneven #2" in str(info.value)
+    with pytest.raises(fm.DistributedError, match="unusable"):
+        fm.barrier(b)
+
+
+def test_late_rank_is_named_in_a_first_step(multigroup):
+    multigroup.run(_late_rank_in_a_first_step)
+
+
 def _rank_in_other_call(b):
     """Rank 1 waits in a recv from rank 0 while rank 0 waits in a barrier."""
     rank = b.rank
@@ -87,13 +111,31 @@ def test_sendrecv_timeout_names_its_source(multigroup):
     multigroup.run(_sendrecv_names_its_source)
 
 
-def _local_rejection_is_reported(b):
-    """A rank whose input was rejected locally never arrives; its peers see
-    that on the status board and raise at once instead of timing out."""
-    if b.rank == 0:
+def _bad_call(call, b):
+    """``call`` with an input this rank rejects before communicating."""
+    if call == "allreduce":
         with pytest.raises(fm.UnsupportedOp):
             fm.allreduce(np.arange(3), b, fm.ReduceOp.MEAN)
-        # Its next collective would be matched by MPI with the allreduce its
+    else:  # send splits that do not sum to the input's rows
+        with pytest.raises(fm.InvalidArgument, match="sum to"):
+            fm.all_to_all_single_uneven(np.arange(3), [4] * b.world_size, None, b)
+
+
+def _good_call(call, b, timeout):
+    if call == "allreduce":
+        return fm.allreduce(np.arange(3), b, timeout=timeout)
+    x = np.arange(b.world_size)
+    return fm.all_to_all_single_uneven(x, [1] * b.world_size, None, b, timeout=timeout)
+
+
+def _local_rejection_is_reported(b, call):
+    """A rank whose input was rejected locally never arrives; its peers see
+    that on the status board and raise at once instead of timing out (also
+    in the first step of a call of two, the uneven all-to-all's split tables)."""
+    name = "allreduce" if call == "allreduce" else "all_to_all_single_uneven"
+    if b.rank == 0:
+        _bad_call(call, b)
+        # Its next collective would be matched by MPI with the call its
         # peers started: it raises instead of mixing up their data.
         with pytest.raises(fm.DistributedError, match="started collective #1, which this rank"):
             fm.barrier(b, timeout=20)
@@ -102,17 +144,18 @@ def _local_rejection_is_reported(b):
         return
     start = time.monotonic()
     with pytest.raises(fm.DistributedError) as info:
-        fm.allreduce(np.arange(3), b, timeout=20)
+        _good_call(call, b, timeout=20)
     assert time.monotonic() - start < 5  # far below the timeout
     assert not isinstance(info.value, fm.CollectiveTimeout)
-    assert "allreduce (collective #1 of a group of" in str(info.value)
+    assert f"{name} (collective #1 of a group of" in str(info.value)
     assert "rank 0 rejected its call #1 before communicating" in str(info.value)
     with pytest.raises(fm.DistributedError, match="unusable"):
         fm.barrier(b)
 
 
-def test_locally_rejected_call_is_reported(multigroup):
-    multigroup.run(_local_rejection_is_reported)
+@pytest.mark.parametrize("call", ["allreduce", "uneven"])
+def test_locally_rejected_call_is_reported(multigroup, call):
+    multigroup.run(_local_rejection_is_reported, call)
 
 
 @pytest.mark.mpi(min_size=2)
