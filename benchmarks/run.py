@@ -588,6 +588,18 @@ def cache_probe(comm, repeats: int = 40) -> dict[str, float] | None:
     return {k: round(statistics.median(v[repeats // 4 :]), 1) for k, v in times.items()}
 
 
+def cpu_model() -> str:
+    """The processor's name, as ``/proc/cpuinfo`` gives it (else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown processor"
+
+
 def probe_line(when: str, probe: dict[str, float] | None) -> str:
     if probe is None:
         return f"# cache probe ({when}): not measured (needs ranks 0 and 1 on one node)"
@@ -808,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     torch_version = __import__("torch").__version__ if dist is not None else "absent"
     header = (
         f"# ferrompi {fm.__version__} benchmark, {time.strftime('%Y-%m-%d %H:%M %Z')}, "
-        f"{platform.node()}, {world.world_size} ranks, {os.cpu_count()} cores, "
+        f"{platform.node()}, {world.world_size} ranks, {os.cpu_count()} cores ({cpu_model()}), "
         f"{MPI.Get_library_version().splitlines()[0].strip()}, "
         f"torch {torch_version}"
         + (", inputs rewritten before every call" if args.rewrite_inputs else "")
