@@ -1,0 +1,141 @@
+"""A cross-check of ``run.py`` with plain loops: ferrompi against raw mpi4py blocking calls.
+
+    mpiexec -n 2 python benchmarks/loops.py [--sizes 4,1KiB,64KiB,1MiB,16MiB] [--pad-us 2.5]
+
+No calibration, rotation or paired differences: for each operation and size,
+7 alternating blocks of calls of ferrompi and of raw mpi4py (its blocking
+upper-case call on the same arrays), each block between barriers and timed
+by its slowest rank; the table gives the medians, their ratio and their
+difference per call. ``allreduce`` runs twice, returning a new array and
+writing ``out=``; the others write ``out=``.
+
+``--pad-us T`` adds a row per size: raw ``Iallgather`` driven by a ``Test``
+loop with a busy wait of ``T`` microseconds before each call (in the
+ferrompi column) and without (in the mpi4py column), so that what a fixed
+per-call cost such as ferrompi's Python adds at this rank count can be read
+off: on a node with more ranks than cores it adds more than ``T``
+(docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import ferrompi as fm
+
+BLOCKS = 7
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    for unit, scale in UNITS.items():
+        if text.endswith(unit):
+            return int(text[: -len(unit)]) * scale
+    return int(text)
+
+
+def block_time(comm, call, count: int) -> float:
+    """Seconds per call of ``count`` calls between barriers, the slowest rank's."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        call()
+    return comm.allreduce((time.perf_counter() - start) / count, op=MPI.MAX)
+
+
+def test_loop(req) -> None:
+    """Wait for ``req`` as ferrompi does on a crowded node: Test, yielding after 4 tries."""
+    spins = 0
+    while not req.Test():
+        spins += 1
+        if spins > 4:
+            os.sched_yield()
+
+
+def busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def cases(backend, comm, nbytes: int, pad: float | None) -> list:
+    """``(name, ferrompi call, raw call)`` for one size (float32, ``nbytes`` per rank)."""
+    p = comm.size
+    n = max(nbytes // 4, 1)
+    x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+    gathered = np.empty(n * p, np.float32)
+    rows = np.ones(p * max(n // p, 1), np.float32)
+    block = np.empty(len(rows) // p, np.float32)
+    spread = np.empty_like(rows)
+    rows_out = np.empty_like(rows)
+    table = [
+        ("allreduce", lambda: fm.allreduce(x, backend), lambda: comm.Allreduce(x, out)),
+        (
+            "allreduce out=",
+            lambda: fm.allreduce(x, backend, out=out),
+            lambda: comm.Allreduce(x, out),
+        ),
+        ("broadcast", lambda: fm.broadcast(out, backend, 0, out=out), lambda: comm.Bcast(out, 0)),
+        (
+            "all_gather",
+            lambda: fm.all_gather(x, backend, out=gathered),
+            lambda: comm.Allgather(x, gathered),
+        ),
+        (
+            "reduce_scatter",
+            lambda: fm.reduce_scatter(rows, backend, out=block),
+            lambda: comm.Reduce_scatter_block(rows, block),
+        ),
+        (
+            "all_to_all",
+            lambda: fm.all_to_all(rows, backend, out=spread),
+            lambda: comm.Alltoall(rows, rows_out),
+        ),
+    ]
+    if pad is not None:
+        table.append(
+            (
+                f"Iallgather +{pad * 1e6:g} us",
+                lambda: (busy_wait(pad), test_loop(comm.Iallgather(x, gathered))),
+                lambda: test_loop(comm.Iallgather(x, gathered)),
+            )
+        )
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4,1KiB,64KiB,1MiB,16MiB")
+    parser.add_argument("--pad-us", type=float, default=None)
+    args = parser.parse_args()
+    backend = fm.init()
+    comm = MPI.COMM_WORLD
+    pad = None if args.pad_us is None else args.pad_us * 1e-6
+    rows = []
+    for nbytes in map(parse_size, args.sizes.split(",")):
+        count = max(5, min(2000, 20_000_000 // max(nbytes, 4) // 4))
+        for name, ours, raw in cases(backend, comm, nbytes, pad):
+            ours(), raw()  # warm-up
+            times: dict[str, list[float]] = {"ours": [], "raw": []}
+            for _ in range(BLOCKS):
+                times["ours"].append(block_time(comm, ours, count))
+                times["raw"].append(block_time(comm, raw, count))
+            rows.append((name, nbytes, *map(statistics.median, times.values())))
+    if comm.rank == 0:
+        print(f"# {comm.size} ranks, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print(f"{'op':22s} {'bytes':>9s} {'ferrompi':>11s} {'mpi4py':>11s} {'ratio':>6s}  diff")
+        for name, nbytes, ours, raw in rows:
+            print(
+                f"{name:22s} {nbytes:9d} {ours * 1e6:8.1f} us {raw * 1e6:8.1f} us "
+                f"{ours / raw:6.2f} {(ours - raw) * 1e6:+7.1f} us"
+            )
+
+
+if __name__ == "__main__":
+    main()
