@@ -65,48 +65,89 @@ def busy_wait(seconds: float) -> None:
 
 
 def cases(backend, comm, nbytes: int, pad: float | None) -> list:
-    """``(name, ferrompi call, raw call)`` for one size (float32, ``nbytes`` per rank)."""
-    p = comm.size
+    """``(name, ferrompi call, raw call)`` for one size (float32, ``nbytes`` per rank).
+
+    Each call returns the array it wrote: ferrompi and raw MPI write into
+    arrays of their own, so that their results can be compared.
+    """
+    p, me = comm.size, comm.rank
     n = max(nbytes // 4, 1)
-    x, out = np.ones(n, np.float32), np.empty(n, np.float32)
-    gathered = np.empty(n * p, np.float32)
-    rows = np.ones(p * max(n // p, 1), np.float32)
-    block = np.empty(len(rows) // p, np.float32)
-    spread = np.empty_like(rows)
-    rows_out = np.empty_like(rows)
+    m = p * max(n // p, 1)  # rows of the reduce_scatter and all_to_all inputs
+    x = (np.arange(n) % 7 + me).astype(np.float32)  # small integers: exact float sums
+    rows = (np.arange(m) % 5 + 10 * me).astype(np.float32)
+
+    def outputs(*shape):
+        return np.empty(shape, np.float32), np.empty(shape, np.float32)
+
+    sums, sums_raw = outputs(n)
+    bcast, bcast_raw = outputs(n)
+    gathered, gathered_raw = outputs(n * p)
+    block, block_raw = outputs(m // p)
+    spread, spread_raw = outputs(m)
+
+    def broadcast():
+        bcast[:] = me  # rank 0's values must arrive: rewritten before every call
+        return fm.broadcast(bcast, backend, 0, out=bcast)
+
+    def raw_broadcast():
+        bcast_raw[:] = me
+        comm.Bcast(bcast_raw, 0)
+        return bcast_raw
+
     table = [
-        ("allreduce", lambda: fm.allreduce(x, backend), lambda: comm.Allreduce(x, out)),
+        ("allreduce", lambda: fm.allreduce(x, backend), lambda: comm.Allreduce(x, sums_raw)),
         (
             "allreduce out=",
-            lambda: fm.allreduce(x, backend, out=out),
-            lambda: comm.Allreduce(x, out),
+            lambda: fm.allreduce(x, backend, out=sums),
+            lambda: comm.Allreduce(x, sums_raw),
         ),
-        ("broadcast", lambda: fm.broadcast(out, backend, 0, out=out), lambda: comm.Bcast(out, 0)),
+        ("broadcast", broadcast, raw_broadcast),
         (
             "all_gather",
             lambda: fm.all_gather(x, backend, out=gathered),
-            lambda: comm.Allgather(x, gathered),
+            lambda: comm.Allgather(x, gathered_raw),
         ),
         (
             "reduce_scatter",
             lambda: fm.reduce_scatter(rows, backend, out=block),
-            lambda: comm.Reduce_scatter_block(rows, block),
+            lambda: comm.Reduce_scatter_block(rows, block_raw),
         ),
         (
             "all_to_all",
             lambda: fm.all_to_all(rows, backend, out=spread),
-            lambda: comm.Alltoall(rows, rows_out),
+            lambda: comm.Alltoall(rows, spread_raw),
         ),
+    ]
+    results = {
+        "allreduce": sums_raw,
+        "allreduce out=": sums_raw,
+        "all_gather": gathered_raw,
+        "reduce_scatter": block_raw,
+        "all_to_all": spread_raw,
+    }
+    table = [
+        (name, ours, raw if name == "broadcast" else _returning(raw, results[name]))
+        for name, ours, raw in table
     ]
     if pad is not None:
         table.append(
             (
                 f"Iallgather +{pad * 1e6:g} us",
-                lambda: (busy_wait(pad), test_loop(comm.Iallgather(x, gathered))),
-                lambda: test_loop(comm.Iallgather(x, gathered)),
+                lambda: (busy_wait(pad), test_loop(comm.Iallgather(x, gathered)), gathered)[-1],
+                lambda: (test_loop(comm.Iallgather(x, gathered_raw)), gathered_raw)[-1],
             )
         )
     return table
+
+
+def _returning(call, result):
+    """``call``, returning ``result`` (the array it writes) when called."""
+
+    def wrapped():
+        call()
+        return result
+
+    return wrapped
 
 
 def main() -> None:
@@ -121,7 +162,9 @@ def main() -> None:
     for nbytes in map(parse_size, args.sizes.split(",")):
         count = max(5, min(2000, 20_000_000 // max(nbytes, 4) // 4))
         for name, ours, raw in cases(backend, comm, nbytes, pad):
-            ours(), raw()  # warm-up
+            mine, expected = ours(), raw()  # warm-up, and a check of the result
+            if not np.array_equal(mine, expected):
+                raise SystemExit(f"{name}, {nbytes} bytes: ferrompi's result differs from MPI's")
             times: dict[str, list[float]] = {"ours": [], "raw": []}
             for _ in range(BLOCKS):
                 times["ours"].append(block_time(comm, ours, count))
