@@ -52,12 +52,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 import numpy as np
 
 from ferrompi._shm import THRESHOLDS
 
 KiB, MiB = 1 << 10, 1 << 20
+
+#: ``... 2 ranks, 2 cores (AMD EPYC), ...`` in a run's header (the processor since 661d94b)
+HEADER = re.compile(r"(\d+) ranks, (\d+) cores\b")
 
 
 def load(paths: list[str]) -> tuple[dict[int, dict[str, dict[int, float]]], int]:
@@ -67,8 +71,10 @@ def load(paths: list[str]) -> tuple[dict[int, dict[str, dict[int, float]]], int]
     for path in paths:
         with open(path) as f:
             run = json.load(f)
-        ranks = int(run["header"].split(" ranks,")[0].rsplit(", ", 1)[1])
-        cores = int(run["header"].split(" cores,")[0].rsplit(", ", 1)[1])
+        found = HEADER.search(run["header"])
+        if found is None:
+            raise SystemExit(f"{path}: no 'N ranks, M cores' in its header {run['header']!r}")
+        ranks, cores = int(found[1]), int(found[2])
         for row in run["results"]:
             if row["op"] != "allreduce":
                 continue

@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
@@ -53,3 +56,33 @@ def test_targets_report_only_what_was_measured():
         "targets (issue 5; docs/performance.md):",
         "  ferrompi/mpi4py <= 1.05 from 64 KiB: 1 of 1 met",
     ]
+
+
+model_spec = importlib.util.spec_from_file_location("bench_model", ROOT / "benchmarks" / "model.py")
+model = importlib.util.module_from_spec(model_spec)
+model_spec.loader.exec_module(model)
+
+
+@pytest.mark.parametrize(
+    "machine",
+    ["2 cores", "2 cores (AMD EPYC)"],  # before and after the header named the processor
+)
+def test_model_reads_the_ranks_cores_and_allreduce_medians_of_a_run(tmp_path, machine):
+    header = (
+        f"# ferrompi 0.1.0 benchmark, 2026-12-05 11:33 UTC, vm, 4 ranks, {machine}, "
+        "MPICH Version:      5.0.2, torch 2.13.0+cpu"
+    )
+    results = [
+        row("allreduce", 4, ferrompi=[4.0, 5.0, 6.0], mpi4py=[2.0] * 3),
+        row("allreduce", MiB, ferrompi=[100.0] * 3, mpi4py=[170.0] * 3),
+        row("broadcast", 4, ferrompi=[3.0] * 3, mpi4py=[1.5] * 3),
+    ]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"header": header, "results": results}))
+    data, cores = model.load([str(path)])
+    assert cores == 2
+    medians_us = {
+        ranks: {impl: {n: round(t * 1e6, 6) for n, t in rows.items()} for impl, rows in d.items()}
+        for ranks, d in data.items()
+    }  # the allreduce rows only, by ranks, implementation and bytes
+    assert medians_us == {4: {"ferrompi": {4: 5.0, MiB: 100.0}, "mpi4py": {4: 2.0, MiB: 170.0}}}
