@@ -4,7 +4,7 @@
 
 No calibration, rotation or paired differences: for each operation and size,
 7 alternating blocks of calls of ferrompi and of raw mpi4py (its blocking
-upper-case call on the same arrays), each block between barriers and timed
+upper-case call on the same inputs), each block between barriers and timed
 by its slowest rank; the table gives the medians, their ratio and their
 difference per call. ``allreduce`` runs twice, returning a new array and
 writing ``out=``; the others write ``out=``.
@@ -49,7 +49,7 @@ def block_time(comm, call, count: int) -> float:
     return comm.allreduce((time.perf_counter() - start) / count, op=MPI.MAX)
 
 
-def test_loop(req) -> None:
+def wait_by_test(req) -> None:
     """Wait for ``req`` as ferrompi does on a crowded node: Test, yielding after 4 tries."""
     spins = 0
     while not req.Test():
@@ -133,8 +133,8 @@ def cases(backend, comm, nbytes: int, pad: float | None) -> list:
         table.append(
             (
                 f"Iallgather +{pad * 1e6:g} us",
-                lambda: (busy_wait(pad), test_loop(comm.Iallgather(x, gathered)), gathered)[-1],
-                lambda: (test_loop(comm.Iallgather(x, gathered_raw)), gathered_raw)[-1],
+                lambda: (busy_wait(pad), wait_by_test(comm.Iallgather(x, gathered)), gathered)[-1],
+                lambda: (wait_by_test(comm.Iallgather(x, gathered_raw)), gathered_raw)[-1],
             )
         )
     return table
