@@ -26,18 +26,11 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from run import parse_size, slowest  # benchmarks/run.py, beside this script
 
 import ferrompi as fm
 
 BLOCKS = 7
-UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "B": 1}
-
-
-def parse_size(text: str) -> int:
-    for unit, scale in UNITS.items():
-        if text.endswith(unit):
-            return int(text[: -len(unit)]) * scale
-    return int(text)
 
 
 def block_time(comm, call, count: int) -> float:
@@ -46,7 +39,7 @@ def block_time(comm, call, count: int) -> float:
     start = time.perf_counter()
     for _ in range(count):
         call()
-    return comm.allreduce((time.perf_counter() - start) / count, op=MPI.MAX)
+    return slowest(comm, (time.perf_counter() - start) / count)
 
 
 def wait_by_test(req) -> None:
@@ -95,46 +88,44 @@ def cases(backend, comm, nbytes: int, pad: float | None) -> list:
         return bcast_raw
 
     table = [
-        ("allreduce", lambda: fm.allreduce(x, backend), lambda: comm.Allreduce(x, sums_raw)),
+        (
+            "allreduce",
+            lambda: fm.allreduce(x, backend),
+            _returning(lambda: comm.Allreduce(x, sums_raw), sums_raw),
+        ),
         (
             "allreduce out=",
             lambda: fm.allreduce(x, backend, out=sums),
-            lambda: comm.Allreduce(x, sums_raw),
+            _returning(lambda: comm.Allreduce(x, sums_raw), sums_raw),
         ),
         ("broadcast", broadcast, raw_broadcast),
         (
             "all_gather",
             lambda: fm.all_gather(x, backend, out=gathered),
-            lambda: comm.Allgather(x, gathered_raw),
+            _returning(lambda: comm.Allgather(x, gathered_raw), gathered_raw),
         ),
         (
             "reduce_scatter",
             lambda: fm.reduce_scatter(rows, backend, out=block),
-            lambda: comm.Reduce_scatter_block(rows, block_raw),
+            _returning(lambda: comm.Reduce_scatter_block(rows, block_raw), block_raw),
         ),
         (
             "all_to_all",
             lambda: fm.all_to_all(rows, backend, out=spread),
-            lambda: comm.Alltoall(rows, spread_raw),
+            _returning(lambda: comm.Alltoall(rows, spread_raw), spread_raw),
         ),
     ]
-    results = {
-        "allreduce": sums_raw,
-        "allreduce out=": sums_raw,
-        "all_gather": gathered_raw,
-        "reduce_scatter": block_raw,
-        "all_to_all": spread_raw,
-    }
-    table = [
-        (name, ours, raw if name == "broadcast" else _returning(raw, results[name]))
-        for name, ours, raw in table
-    ]
     if pad is not None:
+
+        def padded():
+            busy_wait(pad)
+            wait_by_test(comm.Iallgather(x, gathered))
+
         table.append(
             (
                 f"Iallgather +{pad * 1e6:g} us",
-                lambda: (busy_wait(pad), wait_by_test(comm.Iallgather(x, gathered)), gathered)[-1],
-                lambda: (wait_by_test(comm.Iallgather(x, gathered_raw)), gathered_raw)[-1],
+                _returning(padded, gathered),
+                _returning(lambda: wait_by_test(comm.Iallgather(x, gathered_raw)), gathered_raw),
             )
         )
     return table
