@@ -1159,10 +1159,12 @@ def _host_rows(like, out) -> bool:
 #: rows of its input. When every rank's fit, that one ``Iallgather`` is the
 #: whole exchange: no ``Ialltoallv`` follows, one round of messages instead of
 #: two. Room for 960 bytes of rows at 2 ranks, 928 at 4, 352 at 8, none from
-#: 15 ranks on. Host arrays only. Raw MPI with 2 ranks here: an ``Iallgather``
-#: of 2 KiB records took 5.1-5.5 us, of bare 56-byte rows 4.7-5.3 us; a 1 KiB
-#: ``Ialltoallv`` 6.7-7.2 us. Records of 2 KiB rather than 1 KiB made 16-64
-#: KiB calls, whose rows go through the ``Ialltoallv``, 0.2-1.0 us slower.
+#: 15 ranks on. Host arrays only. Raw MPI with 2 ranks on the first
+#: development VM: an ``Iallgather`` of 2 KiB records took 5.1-5.5 us, of bare
+#: 56-byte rows 4.7-5.3 us; a 1 KiB ``Ialltoallv`` 6.7-7.2 us (on the AMD EPYC
+#: VM the records' ``Iallgather`` took 2.1-2.6 us, a 12-byte ``Alltoallv``
+#: 3.9-4.5). Records of 2 KiB rather than 1 KiB made 16-64 KiB calls, whose
+#: rows go through the ``Ialltoallv``, 0.2-1.0 us slower.
 INLINE_TABLE_BYTES = 4096
 INLINE_RECORD_BYTES = 1024
 
