@@ -1,4 +1,5 @@
-"""The benchmark's report of the performance targets, on results with known numbers.
+"""The benchmark's report of the performance targets, on results with known numbers,
+and the plain-loop cross-check (``benchmarks/loops.py``) run for real.
 
 (The benchmark itself runs in CI: ``benchmarks/run.py --quick --check``.)
 """
@@ -7,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -86,3 +90,31 @@ def test_model_reads_the_ranks_cores_and_allreduce_medians_of_a_run(tmp_path, ma
         for ranks, d in data.items()
     }  # the allreduce rows only, by ranks, implementation and bytes
     assert medians_us == {4: {"ferrompi": {4: 5.0, MiB: 100.0}, "mpi4py": {4: 2.0, MiB: 170.0}}}
+
+
+MPIEXEC = pathlib.Path(sys.executable).with_name("mpiexec")
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}")
+def test_loops_cross_check_runs_every_case_on_three_ranks():
+    """loops.py on 3 ranks (an odd count): it checks that each ferrompi result
+    equals MPI's before timing (a difference ends it with an error), then
+    prints a row per case and size with its two times and their ratio."""
+    env = dict(os.environ, MPIEXEC_TIMEOUT="120", FERROMPI_TIMEOUT="30")
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", "3", sys.executable, str(ROOT / "benchmarks" / "loops.py"),
+         "--sizes", "24,48KiB", "--pad-us", "1"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# 3 ranks, ")
+    rows = [line.rsplit(None, 8) for line in lines[2:]]
+    cases = ["allreduce", "allreduce out=", "broadcast", "all_gather", "reduce_scatter"]
+    cases += ["all_to_all", "Iallgather +1 us"]
+    assert [(r[0], int(r[1])) for r in rows] == [(c, n) for n in (24, 48 << 10) for c in cases]
+    for name, _, ours, _, raw, _, ratio, diff, _ in rows:  # times printed to 0.1 us
+        t, r = float(ours), float(raw)
+        assert t > 0 and r > 0, name
+        assert (t - 0.05) / (r + 0.05) - 0.005 <= float(ratio) <= (t + 0.05) / (r - 0.05) + 0.005
+        assert abs(float(diff) - (t - r)) <= 0.15, name
