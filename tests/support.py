@@ -11,14 +11,41 @@ from seeds, so every rank can compute every rank's input.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 
 import ferrompi as fm
 from ferrompi.pytest_plugin import PeerFailed
 
-FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "conformance.json"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures" / "conformance.json"
+
+#: The ``mpiexec`` of the environment running the tests (the ``mpich`` extra).
+MPIEXEC = pathlib.Path(sys.executable).with_name("mpiexec")
+
+
+def run_under_mpiexec(script, n: int, *args: str, timeout: float = 120, env=None) -> str:
+    """The output of ``mpiexec -n n python script *args``, run from the repository root.
+
+    Asserts that it exited with 0 (the message holds its output). Hydra ends
+    a job still running after ``timeout`` seconds (``MPIEXEC_TIMEOUT``); ``env``
+    adds variables to the environment.
+    """
+    variables = {**os.environ, "MPIEXEC_TIMEOUT": str(int(timeout)), **(env or {})}
+    proc = subprocess.run(
+        [str(MPIEXEC), "-n", str(n), sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 30,
+        env=variables,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def load_fixtures() -> dict:

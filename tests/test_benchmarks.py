@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+from support import MPIEXEC, run_under_mpiexec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("bench_run", ROOT / "benchmarks" / "run.py")
@@ -92,22 +91,15 @@ def test_model_reads_the_ranks_cores_and_allreduce_medians_of_a_run(tmp_path, ma
     assert medians_us == {4: {"ferrompi": {4: 5.0, MiB: 100.0}, "mpi4py": {4: 2.0, MiB: 170.0}}}
 
 
-MPIEXEC = pathlib.Path(sys.executable).with_name("mpiexec")
-
-
 @pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}")
 def test_loops_cross_check_runs_every_case_on_three_ranks():
     """loops.py on 3 ranks (an odd count): it checks that each ferrompi result
     equals MPI's before timing (a difference ends it with an error), then
     prints a row per case and size with its two times and their ratio."""
-    env = dict(os.environ, MPIEXEC_TIMEOUT="120", FERROMPI_TIMEOUT="30")
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", "3", sys.executable, str(ROOT / "benchmarks" / "loops.py"),
-         "--sizes", "24,48KiB", "--pad-us", "1"],
-        capture_output=True, text=True, timeout=180, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
+    loops = ROOT / "benchmarks" / "loops.py"
+    args = ("--sizes", "24,48KiB", "--pad-us", "1")
+    output = run_under_mpiexec(loops, 3, *args, env={"FERROMPI_TIMEOUT": "30"})
+    lines = output.splitlines()
     assert lines[0].startswith("# 3 ranks, ")
     rows = [line.rsplit(None, 8) for line in lines[2:]]
     cases = ["allreduce", "allreduce out=", "broadcast", "all_gather", "reduce_scatter"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -12,23 +11,11 @@ import time
 
 import numpy as np
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-MPIEXEC = pathlib.Path(sys.executable).with_name("mpiexec")
+from support import MPIEXEC, ROOT, run_under_mpiexec
 
 
 def run_example(script: str, n: int, timeout: float = 120) -> str:
-    env = {**os.environ, "MPIEXEC_TIMEOUT": str(int(timeout))}
-    proc = subprocess.run(
-        [str(MPIEXEC), "-n", str(n), sys.executable, str(ROOT / "examples" / script)],
-        capture_output=True,
-        text=True,
-        timeout=timeout + 30,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return run_under_mpiexec(ROOT / "examples" / script, n, timeout=timeout)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
