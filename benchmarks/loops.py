@@ -26,20 +26,11 @@ import time
 
 import numpy as np
 from mpi4py import MPI
-from run import parse_size, slowest  # benchmarks/run.py, beside this script
+from run import block_time, parse_size  # benchmarks/run.py, beside this script
 
 import ferrompi as fm
 
 BLOCKS = 7
-
-
-def block_time(comm, call, count: int) -> float:
-    """Seconds per call of ``count`` calls between barriers, the slowest rank's."""
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(count):
-        call()
-    return slowest(comm, (time.perf_counter() - start) / count)
 
 
 def wait_by_test(req) -> None:

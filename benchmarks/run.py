@@ -438,16 +438,21 @@ def slowest(comm, seconds: float) -> float:
     return comm.allreduce(seconds, op=MPI.MAX)
 
 
+def block_time(comm, call, count: int) -> float:
+    """Seconds per call of ``count`` calls between barriers, the slowest rank's."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        call()
+    return slowest(comm, (time.perf_counter() - start) / count)
+
+
 def calibrate(comm, call, block_s: float) -> int:
     """Calls per block so that a block lasts about ``block_s`` (the same on every rank)."""
     call()
     k = 1
     while True:
-        comm.Barrier()
-        t = time.perf_counter()
-        for _ in range(k):
-            call()
-        elapsed = slowest(comm, time.perf_counter() - t)
+        elapsed = k * block_time(comm, call, k)
         if elapsed >= block_s / 4 or k >= 1 << 16:
             return max(1, min(1 << 16, int(k * block_s / max(elapsed, 1e-9))))
         k *= 4
@@ -467,13 +472,7 @@ def measure(comm, calls: dict, reps: int, block_s: float) -> dict[str, list[floa
     for rep in range(reps):
         first = rep % len(names)
         for name in names[first:] + names[:first]:
-            call = calls[name]
-            k = counts[name]
-            comm.Barrier()
-            t = time.perf_counter()
-            for _ in range(k):
-                call()
-            samples[name].append(slowest(comm, (time.perf_counter() - t) / k))
+            samples[name].append(block_time(comm, calls[name], counts[name]))
     return samples
 
 
