@@ -3,12 +3,12 @@
 Every ferrompi operation starts MPI non-blocking calls and waits for them
 here. The wait loop calls ``Request.Test`` (which drives MPI's progress
 engine, as a blocking ``Wait`` would): first up to 64 times in a bare loop
-(``_status.quick_tests``; a small message completes there), then in a loop
+(``_status_board.quick_tests``; a small message completes there), then in a loop
 that also watches the clock. After 512 tests it calls ``sched_yield`` at one
 test in 1024, and when the node runs more ranks than there are cores, at
 every test after 2 (4 in a collective's wait), so that a peer that needs the
-core gets it (``_status.yield_after``, ``_status.collective_yield_after``,
-``_status.yield_every``); it reads the clock once
+core gets it (``_status_board.yield_after``, ``_status_board.collective_yield_after``,
+``_status_board.yield_every``); it reads the clock once
 every 256 tests to check the deadline. It never sleeps: MPI progresses only
 while some thread calls into it, so a sleeping rank would stall its peers.
 
@@ -37,14 +37,23 @@ import math
 import numbers
 import os
 import time
-import weakref
 from datetime import timedelta
+from time import monotonic_ns
 
-import numpy as np
-
-from . import _status, debug
-from ._flight import dump_participant
+from . import _status_board, debug
 from ._mpi import MPI
+from ._status_board import (
+    ACTIVE,
+    DONE,
+    E_DTYPE,
+    E_OP,
+    E_SEQ,
+    E_SHAPE,
+    E_STATE,
+    E_T_END,
+    STATE,
+    T_END,
+)
 from .errors import (
     CollectiveTimeout,
     CommunicationError,
@@ -52,6 +61,7 @@ from .errors import (
     InvalidArgument,
     SizeMismatch,
 )
+from .flight import dump_participant
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "PendingCollective", "complete", "timeout_seconds"]
 
@@ -105,226 +115,14 @@ def default_seconds() -> float:
         raise InvalidArgument(f"FERROMPI_TIMEOUT must be positive seconds, got {text!r}") from None
 
 
-# Status-board words and states, as module constants for the hot path.
-_W_OP, _W_KEY, _W_SEQ = _status.OP, _status.KEY, _status.SEQ
-_W_PEER, _W_STATE, _W_T_START, _W_T_END = (
-    _status.PEER,
-    _status.STATE,
-    _status.T_START,
-    _status.T_END,
-)
-_W_ENTERED = _status.ENTERED
-_ACTIVE, _DONE = _status.ACTIVE, _status.DONE
-_monotonic_ns = time.monotonic_ns
-
 # Buffers of operations that timed out. MPI cannot cancel a collective, so it
 # may still write into them; they are kept alive until the process ends.
 _ABANDONED: list[object] = []
 
 
-class CommState:
-    """What ferrompi keeps per communicator: sequence numbers and health.
-
-    Shared by every backend object wrapping the same communicator, since
-    MPI matches collectives per communicator.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "broken",
-        "comm",
-        "crowded",
-        "destroyed",
-        "flight",
-        "fusion",
-        "key",
-        "last",
-        "owned",
-        "participant",
-        "rank",
-        "rec",
-        "rejected",
-        "release",
-        "seq",
-        "shm",
-        "size",
-        "slot",
-        "timeout",
-        "world_ranks",
-    )
-
-    def __init__(self, comm, world_ranks: tuple[int, ...], participant, timeout: float) -> None:
-        self.comm = comm
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        self.world_ranks = world_ranks
-        self.participant = participant
-        self.key, self.slot = participant.register(world_ranks)
-        #: Gives the board slot back: when the state is collected, or when destroyed.
-        self.release = weakref.finalize(self, participant.release, self.key, self.slot)
-        self.rec = participant.rec
-        self.seq = 0
-        self.timeout = timeout
-        self.broken: str | None = None
-        self.flight = participant.flight.ring
-        self.last: list | None = None
-        self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
-        self.crowded: bool | None = None  # one node with more ranks than CPUs (collectives)
-        self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
-        self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
-        self.rejected = 0  # the collective this rank last rejected locally, until settled
-        self.destroyed = False  # by ferrompi.destroy_process_group
-
-    def fusion_buffer(self, dtype, count: int):
-        """A reused 1-D buffer of ``count`` elements of ``dtype`` (grown, never shrunk)."""
-        buf = self.fusion.get(dtype)
-        if buf is None or buf.size < count:
-            self.fusion[dtype] = buf = np.empty(count, dtype)
-        return buf[:count]
-
-    def begin(
-        self,
-        opcode: int,
-        peer: int = -1,
-        shape: tuple | None = None,
-        dtype=None,
-        op=None,
-        root: int = -1,
-        timeout: float | None = None,
-        rejected: bool = False,
-    ) -> int:
-        """Record the start of an operation; collectives (``peer < 0``) get a number.
-
-        Writes the status board and appends a flight-recorder entry (``last``).
-        In debug mode (:mod:`ferrompi.debug`), a collective first checks that
-        every rank called the same one with the same ``shape``, ``dtype``,
-        reduction ``op`` and ``root`` (a ``rejected`` call takes part, flagged).
-        """
-        if self.broken is not None:
-            raise DistributedError(self.broken)
-        rec = self.rec
-        if peer < 0:
-            if self.rejected:
-                self.settle_rejection(opcode, timeout)
-            self.seq = seq = self.seq + 1
-            rec[self.slot + _W_ENTERED] = seq << 8 | opcode
-        else:
-            seq = 0
-        rec[_W_OP] = opcode
-        rec[_W_KEY] = self.key
-        rec[_W_SEQ] = seq
-        rec[_W_PEER] = peer
-        rec[_W_T_START] = now = _monotonic_ns()
-        rec[_W_STATE] = _ACTIVE
-        self.last = entry = [seq, opcode, self.key, self.size, shape, dtype, peer, now, 0, 1]
-        self.flight.append(entry)
-        if debug.ENABLED and peer < 0:
-            header = debug.header(opcode, seq, shape, dtype, op, root, rejected)
-            debug.check(self, header, timeout)
-        return seq
-
-    def settle_rejection(self, opcode: int, timeout: float | None) -> None:
-        """Before the first collective after one this rank rejected: start it only if safe.
-
-        The rejected collective's number was not consumed, so MPI matches
-        this call with whatever the peers started under that number. That
-        is the same call when they rejected it too (the same bad input on
-        every rank, the common case); when a peer started the rejected
-        collective instead, MPI would pair two different operations and
-        hand back wrong data. So this waits until every peer on this node
-        has either rejected it or started it, and raises if one started it.
-        Ranks that rejected it then wait until each has read the others'
-        records (``SETTLED``), so none moves on, and overwrites its record,
-        before the others have read it. Peers on other nodes cannot be seen.
-
-        Raises
-        ------
-        DistributedError
-            If a peer started the rejected collective; the backend is then unusable.
-        CollectiveTimeout
-            If a peer has done neither within ``timeout``, or not read this
-            rank's record.
-        """
-        seq, name = self.rejected, _status.OPS[opcode]
-        seconds = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + seconds
-        args = (self.participant, self.world_ranks, self.key, seq)
-        fate: list = []
-
-        def decided() -> bool:
-            fate[:] = _status.fate_of_rejected(*args)
-            return not fate[1]
-
-        def timed_out(ranks: list[int], what: str) -> CollectiveTimeout:
-            return CollectiveTimeout(
-                seconds,
-                name,
-                tuple(ranks),
-                f"this rank rejected collective #{seq} before communicating and waits for "
-                f"{', '.join(f'rank {r}' for r in ranks)} to {what}",
-                f"(collective #{seq} of a group of {self.size})",
-            )
-
-        if not _status.spin_until(decided, deadline):
-            raise timed_out(fate[1], "reach it")
-        started, _, rejected = fate
-        self.rec[self.slot + _status.SETTLED] = seq  # read: the peers may move on
-        if started:
-            who = ", ".join(f"rank {r}" for r in started)
-            self.broken = (
-                f"this backend is unusable: {who} started collective #{seq}, which this rank "
-                "rejected before communicating; MPI would match this rank's next collective "
-                "with it and mix up their data. End the job with fm.abort()"
-            )
-            raise DistributedError(f"{name}: {self.broken}")
-        if not _status.spin_until(lambda: _status.settled(*args, rejected), deadline):
-            raise timed_out(rejected, "read this rank's record")
-        self.rejected = 0
-
-    def end(self, state: int = _status.DONE, entry: list | None = None) -> None:
-        rec = self.rec
-        rec[_W_T_END] = now = _monotonic_ns()
-        rec[_W_STATE] = state
-        entry = self.last if entry is None else entry
-        if entry is not None:
-            entry[8] = now
-            entry[9] = state
-
-    def fail_before_start(self, opcode: int) -> None:
-        """Record that an operation was rejected locally (peers may wait for it).
-
-        In debug mode a rejected collective still takes part in the header
-        exchange, flagged, so that its peers raise instead of waiting.
-        """
-        rec = self.rec
-        if opcode not in _POINT_TO_POINT and self.broken is None:
-            if debug.ENABLED:
-                try:
-                    seq = self.begin(opcode, rejected=True)
-                except DistributedError:
-                    seq = self.seq  # the caller raises its own, more precise error
-            else:
-                # The number is not consumed: MPI would match this rank's next
-                # collective with the one its peers started, which the next
-                # begin() checks first (settle_rejection).
-                seq = self.rejected = self.seq + 1
-            rec[self.slot + _status.REJECTED] = seq  # peers waiting for it raise
-        rec[_status.OP] = opcode
-        rec[_status.KEY] = self.key
-        rec[_status.SEQ] = 0
-        rec[_status.PEER] = -1
-        rec[_status.T_END] = time.monotonic_ns()
-        rec[_status.STATE] = _status.FAILED
-
-
-_POINT_TO_POINT = frozenset(
-    _status.OPCODE[name] for name in ("send", "recv", "recv_into", "sendrecv", "isend", "irecv")
-)
-
-
 #: A wait that has lasted this long starts looking at the status board, every
 #: as long again, for a peer that rejected the collective before communicating.
-PROBE_INTERVAL = _status.PROBE_INTERVAL
+PROBE_INTERVAL = _status_board.PROBE_INTERVAL
 
 
 class PeerRejected(Exception):
@@ -339,14 +137,14 @@ class PeerRejected(Exception):
 
 
 def _quick_test(test, status, collective: bool) -> bool:
-    """Call ``test(status)`` up to ``len(_status.quick_tests)`` times; True once it is true.
+    """Call ``test(status)`` up to ``len(_status_board.quick_tests)`` times; True once it is true.
 
     Waits try this bare loop before :func:`_spin`: a small message completes
     within it, without the cost of setting up the deadline and probe checks
     (1-1.5 us per call, measured with 2 ranks). A ``collective``'s wait makes
-    ``len(_status.collective_quick_tests)`` tests instead.
+    ``len(_status_board.collective_quick_tests)`` tests instead.
     """
-    for _ in _status.collective_quick_tests if collective else _status.quick_tests:
+    for _ in _status_board.collective_quick_tests if collective else _status_board.quick_tests:
         if test(status):
             return True
     return False
@@ -361,7 +159,7 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
     status board is read for a peer that rejected it (:func:`check_peers`).
     """
     check = None if probe is None else functools.partial(check_peers, *probe)
-    return _status.spin_until(
+    return _status_board.spin_until(
         functools.partial(req.Test, status), deadline, check, probe is not None
     )
 
@@ -397,7 +195,7 @@ def check_peers(state, seq: int, op_name: str) -> None:
     mode (:mod:`ferrompi.debug`) sizes are left to its header exchange,
     which names every rank's call on every rank.
     """
-    ranks = _status.rejected_by(state.participant, state.world_ranks, state.key, seq)
+    ranks = _status_board.rejected_by(state.participant, state.world_ranks, state.key, seq)
     if ranks:
         who = ", ".join(f"rank {r}" for r in ranks)
         raise PeerRejected(
@@ -407,12 +205,12 @@ def check_peers(state, seq: int, op_name: str) -> None:
             "End the job with fm.abort()"
         )
     entry = state.last
-    if entry[0] != seq or entry[1] not in _SAME_SIZE or entry[4] is None:
+    if entry[E_SEQ] != seq or entry[E_OP] not in _SAME_SIZE or entry[E_SHAPE] is None:
         return  # an earlier asynchronous operation, or sizes that may differ
     if debug.ENABLED:
         return  # the debug header exchange reports the sizes of every rank, on every rank
-    nbytes = math.prod(entry[4]) * entry[5].itemsize
-    others = _status.sizes_apart(
+    nbytes = math.prod(entry[E_SHAPE]) * entry[E_DTYPE].itemsize
+    others = _status_board.sizes_apart(
         state.participant, state.world_ranks, state.key, state.slot, seq, nbytes
     )
     if others:
@@ -433,7 +231,7 @@ _SAME_SIZE_OPS = tuple(
 )
 
 #: Collectives whose arrays have the same size on every rank.
-_SAME_SIZE = frozenset(_status.OPCODE[op] for op in _SAME_SIZE_OPS)
+_SAME_SIZE = frozenset(_status_board.OPCODE[op] for op in _SAME_SIZE_OPS)
 
 #: Collectives that move arrays: an MPI error in one most often means that
 #: the ranks passed different shapes or dtypes, or called different collectives.
@@ -512,7 +310,7 @@ class PendingCollective:
 
     def __init__(
         self,
-        state: CommState,
+        state,
         opcode: int,
         seq: int,
         reqs,
@@ -525,7 +323,7 @@ class PendingCollective:
         expected: int | None = None,
         keep: object = None,
     ) -> None:
-        self.op_name = _status.OPS[opcode]
+        self.op_name = _status_board.OPS[opcode]
         self._state = state
         self._opcode = opcode
         self._seq = seq
@@ -641,12 +439,12 @@ class PendingCollective:
             except DistributedError as exc:
                 self._fail(exc)
             self._finish = None
-        self._state.end(_DONE, self._entry)
+        self._state.end(DONE, self._entry)
         self._done = True
         self._reqs = self._statuses = self._keep = None
 
     def _fail(self, exc: DistributedError):
-        self._state.end(_status.FAILED, self._entry)
+        self._state.end(_status_board.FAILED, self._entry)
         self._error = exc
         _ABANDONED.append((self._reqs, self._result, self._keep))
         raise exc
@@ -661,7 +459,7 @@ class PendingCollective:
 
 
 def timeout_error(
-    state: CommState,
+    state,
     opcode: int,
     seq: int,
     seconds: float,
@@ -676,14 +474,14 @@ def timeout_error(
     board), and writes this rank's flight record. ``extra`` is appended to
     the details.
     """
-    op_name = op_name or _status.OPS[opcode]
+    op_name = op_name or _status_board.OPS[opcode]
     if peer >= 0:
-        missing, details = _status.describe_peers(
+        missing, details = _status_board.describe_peers(
             state.participant, state.world_ranks, state.key, 0, opcode, [peer]
         )
         where = f"with rank {peer}"
     else:
-        missing, details = _status.describe_peers(
+        missing, details = _status_board.describe_peers(
             state.participant, state.world_ranks, state.key, seq, opcode
         )
         where = f"(collective #{seq} of a group of {state.size})"
@@ -695,7 +493,7 @@ def timeout_error(
         "MPI cannot cancel it, so later operations on this communicator would be "
         "mismatched with the other ranks'. End the job with fm.abort()"
     )
-    state.end(_status.TIMED_OUT, entry)
+    state.end(_status_board.TIMED_OUT, entry)
     try:
         path = dump_participant(state.participant)
         details += f" (flight record: {path})"
@@ -704,16 +502,14 @@ def timeout_error(
     return CollectiveTimeout(seconds, op_name, missing, details, where)
 
 
-def rejection_error(
-    state: CommState, exc: PeerRejected, entry: list | None = None
-) -> DistributedError:
+def rejection_error(state, exc: PeerRejected, entry: list | None = None) -> DistributedError:
     """The error of a collective whose peer rejected it locally; marks the backend broken."""
     state.broken = f"this backend is unusable: {exc}"
-    state.end(_status.FAILED, entry)
+    state.end(_status_board.FAILED, entry)
     return exc.error(str(exc))
 
 
-def wait_step(state: CommState, opcode: int, seq: int, req, timeout: float | None) -> None:
+def wait_step(state, opcode: int, seq: int, req, timeout: float | None) -> None:
     """Wait for ``req``, a first step of collective ``seq`` that goes on communicating.
 
     The checks and errors of :func:`complete`, but the operation stays
@@ -725,11 +521,11 @@ def wait_step(state: CommState, opcode: int, seq: int, req, timeout: float | Non
         return
     complete(state, opcode, seq, req, None, timeout=timeout)
     rec = state.rec
-    rec[_W_STATE] = _ACTIVE
-    rec[_W_T_END] = 0
+    rec[STATE] = ACTIVE
+    rec[T_END] = 0
     entry = state.last
-    entry[8] = 0
-    entry[9] = _ACTIVE
+    entry[E_T_END] = 0
+    entry[E_STATE] = ACTIVE
 
 
 def complete(
@@ -756,7 +552,7 @@ def complete(
     try:
         if not req.Test(status) and not _quick_test(req.Test, status, peer < 0):
             seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
-            probe = (state, seq, _status.OPS[opcode]) if peer < 0 < seq else None
+            probe = (state, seq, _status_board.OPS[opcode]) if peer < 0 < seq else None
             simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)
             if simulated or not _spin(req, status, time.monotonic() + seconds, probe):
                 statuses = None if status is None else (status,)
@@ -774,8 +570,8 @@ def complete(
                     keep=keep,
                 )._wait_rest(seconds)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
-        raise mpi_error(_status.OPS[opcode], exc, expected) from None
+        state.end(_status_board.FAILED)
+        raise mpi_error(_status_board.OPS[opcode], exc, expected) from None
     except PeerRejected as exc:
         _ABANDONED.append(((req,), result, keep))
         raise rejection_error(state, exc) from None
@@ -783,12 +579,12 @@ def complete(
         try:
             finish(result, keep)
         except DistributedError:
-            state.end(_status.FAILED)
+            state.end(_status_board.FAILED)
             raise
     rec = state.rec
-    rec[_W_T_END] = now = _monotonic_ns()
-    rec[_W_STATE] = _DONE
+    rec[T_END] = now = monotonic_ns()
+    rec[STATE] = DONE
     entry = state.last
-    entry[8] = now
-    entry[9] = _DONE
+    entry[E_T_END] = now
+    entry[E_STATE] = DONE
     return result

@@ -82,7 +82,7 @@ import threading
 
 import numpy as np
 
-from . import _status
+from . import _status_board
 from ._mpi import MPI
 from .errors import InvalidArgument
 
@@ -284,7 +284,7 @@ def default_threads(local_ranks: int) -> int:
     node's ``local_ranks`` ranks; at most :data:`MAX_THREADS`, at least 1.
     """
     cores = os.cpu_count() or 1
-    mine = len(_status.own_cpus())
+    mine = len(_status_board.own_cpus())
     if mine >= cores:  # not bound: the node's cores are shared by its ranks
         mine //= max(1, local_ranks)
     return max(1, min(MAX_THREADS, mine))
@@ -499,7 +499,7 @@ class NodeEngine:
         if node.Get_size() < size:
             rail = comm.Split(node.Get_rank(), rank)
         # the same on every rank of the node, since it chooses between the engine and MPI
-        crowded = node.Get_size() > _status.node_cpus(node)
+        crowded = node.Get_size() > _status_board.node_cpus(node)
         threads = threads or default_threads(node.Get_size())
         return cls(node, rail, SLOT_BYTES, threads, crowded)
 
@@ -524,7 +524,7 @@ class NodeEngine:
     def _wait(self, word: int, value: int, deadline: float, probe) -> None:
         """Until every rank's counter ``word`` reaches ``value`` (or :class:`PeerWait`)."""
         for f in self.flags:
-            if f[word] < value and not _status.spin_until(
+            if f[word] < value and not _status_board.spin_until(
                 lambda f=f: f[word] >= value, deadline, probe
             ):
                 raise PeerWait
@@ -547,7 +547,7 @@ class NodeEngine:
 
     def _rail_allreduce(self, view: np.ndarray, mpi_op, deadline: float) -> None:
         req = self.rail.Iallreduce(MPI.IN_PLACE, view, mpi_op)
-        if not _status.spin_until(req.Test, deadline):
+        if not _status_board.spin_until(req.Test, deadline):
             raise PeerWait
 
     # -- the rounds ----------------------------------------------------------

@@ -33,16 +33,18 @@ from typing import Any
 import numpy as np
 
 from . import (
-    _status,
+    _status_board,
     excepthook,  # importing it also registers the exit handler
     launch,
 )
-from ._flight import dump_participant
+from ._comm_state import CommState
 from ._mpi import MPI, require_mpi
-from ._progress import CommState, PendingCollective, mpi_error, timeout_seconds
+from ._progress import PendingCollective, mpi_error, timeout_seconds
 from ._simcomm import SimComm
 from .errors import InvalidArgument, InvalidWorldSize
+from .flight import dump_participant
 from .gpu import cuda_aware
+from .launch import LaunchInfo
 
 __all__ = [
     "Backend",
@@ -51,6 +53,7 @@ __all__ = [
     "init",
     "is_initialized",
     "abort",
+    "launch_info",
     "is_mpi_available",
     "is_gloo_available",
     "is_ucc_available",
@@ -117,7 +120,7 @@ class Backend:
                 raise InvalidArgument(f"comm must be an mpi4py communicator, not {comm!r}")
             if comm.Is_inter():
                 raise InvalidArgument("intercommunicators are not supported; pass an intracomm")
-        participant = _participant or _status.process_participant()
+        participant = _participant or _status_board.process_participant()
         seconds = timeout_seconds(timeout)
         identity = (id(participant), _comm_identity(comm))
         with _STATES_LOCK:
@@ -207,7 +210,7 @@ class Backend:
         a missing rank.
         """
         state = self._state
-        opcode = _status.OPCODE[op]
+        opcode = _status_board.OPCODE[op]
         seq = state.begin(opcode, timeout=timeout or self._timeout)
         req = state.comm.Ibarrier()
         PendingCollective(state, opcode, seq, (req,), None, None, timeout or self._timeout).wait()
@@ -290,9 +293,9 @@ class SimulatedBackend(Backend):
         require_mpi()
         if n == 1:
             return [cls(MPI.COMM_SELF, timeout=timeout)]
-        board = _status.Board.local(n)
+        board = _status_board.Board.local(n)
         return [
-            cls(comm, timeout=timeout, _participant=_status.Participant(board, r, 0))
+            cls(comm, timeout=timeout, _participant=_status_board.Participant(board, r, 0))
             for r, comm in enumerate(SimComm.create_world(int(n)))
         ]
 
@@ -374,7 +377,7 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
     require_mpi()
     with _INIT_LOCK:
         if _WORLD is None or _WORLD._state.destroyed:
-            _status.process_participant(create_board=True)
+            _status_board.process_participant(create_board=True)
             # Every process of the node is past MPI_Init (the board is collective),
             # so each has mapped MPICH's node segment: its name can go now, and no
             # way of ending the job (SIGTERM, SIGKILL) leaves it in /dev/shm.
@@ -382,6 +385,36 @@ def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
             _WORLD = MPIBackend(MPI.COMM_WORLD, timeout=timeout)
             launch.record(MPI.COMM_WORLD)  # logs how the job was launched (debug level)
         return _WORLD
+
+
+def launch_info() -> LaunchInfo:
+    """How this job was launched: launcher, Slurm ids, nodes, world and node-local ranks.
+
+    Computed once by :func:`~ferrompi.init` (collectively: it splits the
+    world by shared memory to find the ranks on this node). If ``init`` has
+    not been called yet, this calls it, so then it is collective too.
+
+    Returns
+    -------
+    LaunchInfo
+        A frozen dataclass; ``.as_dict()`` gives a plain dict.
+
+    Raises
+    ------
+    BackendUnavailable
+        If no MPI library can be loaded.
+
+    Examples
+    --------
+    >>> import ferrompi as fm
+    >>> info = fm.launch_info()
+    >>> info.launcher in ("slurm", "mpiexec", "single")
+    True
+    >>> 0 <= info.local_rank < info.local_size <= info.world_size
+    True
+    """
+    init()
+    return launch.record(MPI.COMM_WORLD)
 
 
 def is_initialized() -> bool:
@@ -404,7 +437,7 @@ def abort(errorcode: int = 1, backend: Backend | None = None) -> None:
         backend.comm.Abort(errorcode)
         return
     require_mpi()
-    participant = _status.process_participant_if_any()
+    participant = _status_board.process_participant_if_any()
     if participant is not None:
         try:
             path = dump_participant(participant)

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _shm, _status
+from . import _shm, _status_board
 from ._arrays import (
     POOL_FROM,
     array_module,
@@ -105,7 +105,7 @@ __all__ = [
 
 Timeout = float | timedelta | None
 
-_OP = _status.OPCODE
+_OP = _status_board.OPCODE
 _INT64 = MPI.INT64_T
 _BYTE = MPI.BYTE
 _ndarray = np.ndarray
@@ -213,33 +213,33 @@ def _arrive_for_setup(backend: Backend, timeout: float, opcode: int, nbytes: int
     mismatched: list[tuple[int, int]] = []
 
     def done() -> bool:
-        everyone, elsewhere = _status.arrivals(
+        everyone, elsewhere = _status_board.arrivals(
             state.participant, state.world_ranks, state.key, seq, setup
         )
         mismatched.extend(elsewhere)
         return everyone or bool(elsewhere)
 
     def probe() -> None:  # a peer that rejected its call #seq never arrives: raise at once
-        check_peers(state, seq, _status.OPS[opcode])
+        check_peers(state, seq, _status_board.OPS[opcode])
 
     try:
-        arrived = _status.spin_until(done, time.monotonic() + timeout, probe)
+        arrived = _status_board.spin_until(done, time.monotonic() + timeout, probe)
     except PeerRejected as exc:
         raise rejection_error(state, exc) from None
     if not arrived:
         raise timeout_error(state, setup, seq, timeout)
     if mismatched:
-        name = _status.OPS[opcode]
-        who = ", ".join(f"rank {r} entered {_status.OPS[op]}" for r, op in mismatched)
+        name = _status_board.OPS[opcode]
+        who = ", ".join(f"rank {r} entered {_status_board.OPS[op]}" for r, op in mismatched)
         message = (
             f"{name} (collective #{seq} of a group of {state.size}): the ranks passed arrays "
             f"of different sizes: this rank has {nbytes} bytes, in the shared-memory engine's "
             f"range, and sets it up, while {who} through MPI; MPI cannot cancel their "
             "side, so this backend is unusable. End the job with fm.abort()"
         )
-        state.rec[state.slot + _status.REJECTED] = seq  # the peers' waits raise
+        state.rec[state.slot + _status_board.REJECTED] = seq  # the peers' waits raise
         raise rejection_error(state, PeerRejected(message, InvalidArgument))
-    state.end(_status.DONE)
+    state.end(_status_board.DONE)
 
 
 def _on_host(x, buf) -> bool:
@@ -254,7 +254,7 @@ def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
     (with the engine's round counters), one that rejected the call locally
     a :class:`DistributedError`, as every other wait does.
     """
-    op_name = _status.OPS[opcode]
+    op_name = _status_board.OPS[opcode]
 
     def probe():
         check_peers(state, seq, op_name)
@@ -262,7 +262,7 @@ def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
     try:
         run(time.monotonic() + timeout, probe)
     except _shm.CallMismatch as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise InvalidArgument(f"{op_name} (collective #{seq}): {exc}") from None
     except _shm.PeerWait:
         extra = f"; shared-memory rounds: {_shm.describe_round(state.shm)}"
@@ -270,7 +270,7 @@ def _on_node(state, opcode: int, seq: int, run, timeout: float) -> None:
     except PeerRejected as exc:
         raise rejection_error(state, exc) from None
     except MPI.Exception as exc:  # the inter-node step
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(op_name, exc) from None
 
 
@@ -279,7 +279,7 @@ def _done_on_node(state, result, buf: np.ndarray, divisor: int):
         np.true_divide(buf, divisor, out=buf, casting="unsafe")
     if buf is not result:
         copy_into(result, buf)  # the caller's out, or a device result of a staged input
-    state.end(_status.DONE)
+    state.end(_status_board.DONE)
     return result
 
 
@@ -297,9 +297,9 @@ def _allreduce(
         like = None  # the caller's x when it is not already MPI's buffer (a device array...)
         if type(x) is not _ndarray or not x.flags.c_contiguous or not x.dtype.isnative:
             like = x
-            x = as_input(x, _status.OPS[opcode], state.comm)
+            x = as_input(x, _status_board.OPS[opcode], state.comm)
         dtype = x.dtype
-        dt, mop, mean = reduction(op, dtype, _status.OPS[opcode])
+        dt, mop, mean = reduction(op, dtype, _status_board.OPS[opcode])
         if out is None and like is None:  # small ones skip host_empty's call: 0.1-0.2 us
             result = buf = (
                 np.empty(x.shape, dtype) if x.nbytes < POOL_FROM else host_empty(x.shape, dtype)
@@ -307,7 +307,7 @@ def _allreduce(
         elif out is x and like is None and x.flags.writeable:  # in place, plain numpy
             result = buf = x
         else:
-            result, buf = output(out, x.shape, dtype, _status.OPS[opcode], like, state.comm)
+            result, buf = output(out, x.shape, dtype, _status_board.OPS[opcode], like, state.comm)
             x = _separate(x, buf, out, in_place=True)
     except FerrompiError:
         state.fail_before_start(opcode)
@@ -331,8 +331,8 @@ def _allreduce(
     try:
         req = state.comm.Iallreduce(MPI.IN_PLACE if buf is x else [x, n, dt], [buf, n, dt], mop)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
-        raise mpi_error(_status.OPS[opcode], exc) from None
+        state.end(_status_board.FAILED)
+        raise mpi_error(_status_board.OPS[opcode], exc) from None
     if blocking and buf is result and not divisor:
         return complete(state, opcode, seq, req, result, None, x, timeout)
     return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout)
@@ -611,7 +611,7 @@ def _broadcast(
     x, backend: Backend, root, out, timeout, opcode: int, blocking: bool
 ) -> PendingCollective | np.ndarray:
     state = backend._state
-    name = _status.OPS[opcode]
+    name = _status_board.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         root = check_rank(root, state.size, "root", name)
@@ -638,7 +638,7 @@ def _broadcast(
         else:
             req = state.comm.Ibcast([buf, n, dt], root)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc, n) from None
     return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout)
 
@@ -702,7 +702,7 @@ def _all_gather(
     x, backend: Backend, out, timeout, opcode: int, blocking: bool
 ) -> PendingCollective | np.ndarray:
     state = backend._state
-    name = _status.OPS[opcode]
+    name = _status_board.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         dt = plain_pair(x, out, _gathered_shape(x, state.size)) if type(x) is _ndarray else None
@@ -733,7 +733,7 @@ def _all_gather(
     try:
         req = state.comm.Iallgather([x, n, dt], [buf, n, dt])
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout)
 
@@ -807,7 +807,7 @@ def _reduce_scatter(
     x, backend: Backend, op, out, timeout, opcode: int, blocking: bool
 ) -> PendingCollective | np.ndarray:
     state = backend._state
-    name = _status.OPS[opcode]
+    name = _status_board.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         if (
@@ -850,7 +850,7 @@ def _reduce_scatter(
                 [x, x.size, dt], [buf, count, dt], [count] * state.size, mop
             )
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     return _conclude(blocking, state, opcode, seq, req, result, buf, divisor, x, timeout)
 
@@ -921,7 +921,7 @@ def _all_to_all(
     x, backend: Backend, out, timeout, opcode: int, blocking: bool
 ) -> PendingCollective | np.ndarray:
     state = backend._state
-    name = _status.OPS[opcode]
+    name = _status_board.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         dt = None
@@ -943,7 +943,7 @@ def _all_to_all(
     try:
         req = state.comm.Ialltoall([x, block, dt], [buf, block, dt])
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     return _conclude(blocking, state, opcode, seq, req, result, buf, 0, x, timeout)
 
@@ -1113,11 +1113,11 @@ def all_to_all_single_uneven(
         else:
             exchange = _pairwise_check(state, opcode, seq, header, x, timeout)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     received, problems, pieces = exchange
     if problems:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
     if type(out) is _ndarray and out.flags.c_contiguous:  # checked before the exchange
         result = buf = out
@@ -1126,7 +1126,7 @@ def all_to_all_single_uneven(
             shape = (sum(received), *x.shape[1:])
             result, buf = output(out, shape, x.dtype, name, like, state.comm)
         except FerrompiError:
-            state.end(_status.FAILED)
+            state.end(_status_board.FAILED)
             raise
     if pieces is not None:  # every rank's rows came with its record: no second exchange
         if buf.size:
@@ -1142,7 +1142,7 @@ def all_to_all_single_uneven(
     try:
         req, keep = _start_alltoallv(state, x, buf, dt, scounts, sdispls, rcounts, rdispls)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout)
 
@@ -1409,7 +1409,7 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
     try:
         req = state.comm.Ibarrier()
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error("barrier", exc) from None
     complete(state, opcode, seq, req, None, timeout=timeout)
 
@@ -1505,11 +1505,11 @@ def all_gather_v(
             if _anywhere(state, opcode, seq, misfit, timeout):
                 table = _gather_words(state, opcode, seq, header, header.size, timeout)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     problems = _gather_problems(table)
     if problems:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise InvalidArgument(f"{name}: the ranks' rows do not fit: " + "; ".join(problems))
     return _start_all_gather_v(backend, opcode, seq, x, table[:, 0], timeout, True, like)
 
@@ -1593,14 +1593,14 @@ def _start_all_gather_v(backend, opcode, seq, x, counts, timeout, blocking: bool
         shape = (int(counts.sum()), *x.shape[1:])
         result, buf = output(None, shape, x.dtype, name, like, state.comm)
     except FerrompiError:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise
     rcounts = counts * row
     displs = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
     try:
         req = state.comm.Iallgatherv([x, x.size, dt], [buf, (rcounts, displs), dt])
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     keep = (x, rcounts, displs)
     return _conclude(blocking, state, opcode, seq, req, result, buf, 0, keep, timeout)
@@ -1673,7 +1673,7 @@ def _reduce_scatter_v(x, counts, backend: Backend, op, timeout, checked: bool):
             _same_counts(state, opcode, seq, counts, timeout)
         req = state.comm.Ireduce_scatter([x, x.size, dt], [buf, buf.size, dt], rcounts, mop)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     divisor = state.size if mean else 0
     keep = (x, rcounts)
@@ -1695,9 +1695,11 @@ def _same_counts(state, opcode: int, seq: int, counts: np.ndarray, timeout) -> N
     if (extremes[:size] == -extremes[size:]).all():
         return
     table = _gather_words(state, opcode, seq, counts, size, timeout)
-    state.end(_status.FAILED)
+    state.end(_status_board.FAILED)
     each = ", ".join(f"rank {r}: {table[r].tolist()}" for r in range(size))
-    raise InvalidArgument(f"{_status.OPS[opcode]}: the ranks passed different counts ({each})")
+    raise InvalidArgument(
+        f"{_status_board.OPS[opcode]}: the ranks passed different counts ({each})"
+    )
 
 
 def all_to_all_v(
@@ -1764,6 +1766,6 @@ def exchange_rows(x: np.ndarray, send, recv, backend: Backend, timeout: Timeout 
     try:
         req, keep = _start_alltoallv(state, x, buf, dt, scounts, sdispls, rcounts, rdispls)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error(name, exc) from None
     return _conclude(True, state, opcode, seq, req, result, buf, 0, keep, timeout)

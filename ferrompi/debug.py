@@ -48,9 +48,8 @@ import os
 
 import numpy as np
 
-from . import _progress, _status
+from . import _status_board
 from ._dtypes import mpi_datatype
-from .errors import DistributedError
 from .ops import ReduceOp
 
 __all__ = ["is_debug", "set_debug"]
@@ -69,7 +68,7 @@ _OPS = list(ReduceOp.__members__.values())  # AVG is MEAN: one code each
 _REDOP_CODE = {op: i for i, op in reversed(list(enumerate(_OPS)))}
 
 # Collectives that are compatible across ranks share a kind (async or not).
-_KIND = {name: _status.OPCODE[name.removeprefix("async_")] for name in _status.OPS}
+_KIND = {name: _status_board.OPCODE[name.removeprefix("async_")] for name in _status_board.OPS}
 # Which part of the shape must agree: the whole shape, or every dimension but
 # the first (variable-size collectives).
 _WHOLE = {"allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"}
@@ -130,7 +129,7 @@ def header(opcode, seq, shape=None, dtype=None, op=None, root=-1, rejected=False
 
 
 def _describe(h) -> str:
-    name = _status.OPS[int(h[KIND])]
+    name = _status_board.OPS[int(h[KIND])]
     if h[MAGIC] != _MAGIC:
         return "a call that is not a ferrompi collective in debug mode (no header)"
     if h[FLAGS] & _REJECTED:
@@ -158,11 +157,11 @@ def _agree(table: np.ndarray) -> bool:
         return bool(first[MAGIC] == _MAGIC and first[FLAGS] == 0)
     if (table[:, MAGIC] != _MAGIC).any() or (table[:, FLAGS] != 0).any():
         return False
-    if len({_KIND[_status.OPS[int(k)]] for k in table[:, KIND]}) > 1:
+    if len({_KIND[_status_board.OPS[int(k)]] for k in table[:, KIND]}) > 1:
         return False
     if (table[:, SEQ] != first[SEQ]).any() or (table[:, DTYPE] != first[DTYPE]).any():
         return False
-    name = _status.OPS[int(first[KIND])].removeprefix("async_")
+    name = _status_board.OPS[int(first[KIND])].removeprefix("async_")
     if name in _WITH_OP and (table[:, REDOP] != first[REDOP]).any():
         return False
     if name in _WITH_ROOT and (table[:, ROOT] != first[ROOT]).any():
@@ -177,32 +176,29 @@ def _agree(table: np.ndarray) -> bool:
     return True
 
 
-def check(state, h: np.ndarray, timeout: float | None = None) -> None:
-    """All-gather ``h`` over ``state``'s communicator; raise if the ranks disagree.
+def exchange(comm, h: np.ndarray) -> tuple[object, np.ndarray]:
+    """Start the all-gather of this rank's header ``h`` over ``comm``.
 
-    Raises
-    ------
-    DistributedError
-        On every rank, when the headers disagree (what each rank called).
-    CollectiveTimeout
-        When some rank does not reach the exchange in time.
+    Returns the request and the table (one header per rank) it fills; once
+    the request completes, :func:`disagreement` reads the table.
     """
-    table = np.empty((state.size, WORDS), dtype=np.int64)
-    comm = state.comm
-    opcode = int(h[KIND])
-    seq = int(h[SEQ])
+    table = np.empty((comm.Get_size(), WORDS), dtype=np.int64)
     dt = mpi_datatype(h.dtype)
-    req = comm.Iallgather([h, WORDS, dt], [table, WORDS, dt])
-    _progress.wait_step(state, opcode, seq, req, timeout)  # the collective itself follows
+    return comm.Iallgather([h, WORDS, dt], [table, WORDS, dt]), table
+
+
+def disagreement(table: np.ndarray) -> str | None:
+    """None if the gathered headers agree, else the message naming what each rank called.
+
+    The same message on every rank (every rank holds the same table).
+    """
     if _agree(table):
-        return
+        return None
     calls = "".join(f"\n  rank {r} called {_describe(row)}" for r, row in enumerate(table))
-    seqs = set(table[:, SEQ].tolist())
+    seqs = table[:, SEQ].tolist()
     where = (
-        f"collective #{seq}"
-        if len(seqs) == 1
-        else "collectives " + ", ".join(f"#{s}" for s in table[:, SEQ].tolist())
+        f"collective #{seqs[0]}"
+        if len(set(seqs)) == 1
+        else "collectives " + ", ".join(f"#{s}" for s in seqs)
     )
-    message = f"collectives disagree at {where} of a group of {state.size} (FERROMPI_DEBUG):{calls}"
-    state.end(_status.FAILED)
-    raise DistributedError(message)
+    return f"collectives disagree at {where} of a group of {len(table)} (FERROMPI_DEBUG):{calls}"

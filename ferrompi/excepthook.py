@@ -6,7 +6,7 @@ collective, wait for it until their timeout (or forever, with plain mpi4py).
 :func:`install_excepthook` replaces :data:`sys.excepthook` and
 :data:`threading.excepthook` so that an uncaught exception on any rank
 prints a banner with the rank, host and pid, the traceback, writes this
-rank's flight record (see :mod:`ferrompi._flight`), and calls
+rank's flight record (see :mod:`ferrompi.flight`), and calls
 ``MPI_Abort`` on ``COMM_WORLD``: ``mpiexec`` (or ``srun``) then ends every
 rank within a second or two, with a non-zero exit status.
 
@@ -31,9 +31,9 @@ import threading
 import time
 import traceback
 
-from . import _status
-from ._flight import dump_participant
+from . import _status_board
 from ._mpi import MPI
+from .flight import dump_participant
 
 __all__ = ["install_excepthook", "abort_job"]
 
@@ -54,7 +54,7 @@ def abort_job(reason: str, errorcode: int = 1) -> None:
     """
     rank = _world_rank()
     banner = f"ferrompi: rank {rank} ({socket.gethostname()}, pid {os.getpid()}) {reason}"
-    participant = _status.process_participant_if_any()
+    participant = _status_board.process_participant_if_any()
     if participant is not None:
         try:
             banner += f"\nferrompi: flight record written to {dump_participant(participant)}"
@@ -133,10 +133,10 @@ def _abort_if_a_peer_died() -> None:
     process is gone (seen on the node's status board) never comes.
     Registered after mpi4py's finalizer, so it runs first.
     """
-    participant = _status.process_participant_if_any()
+    participant = _status_board.process_participant_if_any()
     if participant is None or MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    dead = _status.dead_peers(participant)
+    dead = _status_board.dead_peers(participant)
     if dead:
         who = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
         abort_job(

@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import _status
+from . import _status_board
 from ._arrays import check_rank
 from ._mpi import MPI
 from ._progress import PendingCollective, mpi_error, timeout_seconds
@@ -199,7 +199,7 @@ class SubBackend(Backend):
         state = parent._state
         leader = members[0]
         token = np.zeros(1, np.int64)
-        opcode = _status.OPCODE["create_group"]
+        opcode = _status_board.OPCODE["create_group"]
         deadline = time.monotonic() + self._timeout
         peer = members[1] if parent.rank == leader and len(members) > 1 else leader
         state.begin(opcode, state.world_ranks[peer])  # point-to-point: no collective number

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from ._mpi import MPI
 from .errors import InvalidArgument
 
-__all__ = ["LaunchInfo", "launch_info", "expand_nodelist"]
+__all__ = ["LaunchInfo", "expand_nodelist"]
 
 logger = logging.getLogger("ferrompi")
 
@@ -61,7 +61,7 @@ _MPIEXEC_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_RANK")
 
 @dataclasses.dataclass(frozen=True)
 class LaunchInfo:
-    """How the world of this process was started (see :func:`launch_info`).
+    """How the world of this process was started (see :func:`ferrompi.launch_info`).
 
     Attributes
     ----------
@@ -311,35 +311,3 @@ def record(comm) -> LaunchInfo:
             if warning is not None:
                 logger.warning("ferrompi: %s", warning)
         return _INFO
-
-
-def launch_info() -> LaunchInfo:
-    """How this job was launched: launcher, Slurm ids, nodes, world and node-local ranks.
-
-    Computed once by :func:`~ferrompi.init` (collectively: it splits the
-    world by shared memory to find the ranks on this node). If ``init`` has
-    not been called yet, this calls it, so then it is collective too.
-
-    Returns
-    -------
-    LaunchInfo
-        A frozen dataclass; ``.as_dict()`` gives a plain dict.
-
-    Raises
-    ------
-    BackendUnavailable
-        If no MPI library can be loaded.
-
-    Examples
-    --------
-    >>> import ferrompi as fm
-    >>> info = fm.launch_info()
-    >>> info.launcher in ("slurm", "mpiexec", "single")
-    True
-    >>> 0 <= info.local_rank < info.local_size <= info.world_size
-    True
-    """
-    from .backend import init
-
-    init()
-    return record(MPI.COMM_WORLD)

@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import _status
+from . import _status_board
 from ._arrays import (
     as_input,
     check_rank,
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 Timeout = float | timedelta | None
-_OP = _status.OPCODE
+_OP = _status_board.OPCODE
 _TAG_UB: list[int] = []
 #: Messages travel as bytes: a receive never unpacks part of an element
 #: (MPICH aborts the job on a message that ends inside one), and the size
@@ -164,7 +164,7 @@ def _copy_back(result, staged) -> None:
 
 def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> PendingCollective:
     state = backend._state
-    name = _status.OPS[opcode]
+    name = _status_board.OPS[opcode]
     try:
         timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
         src = _peer(state, src, name, "src")
@@ -270,7 +270,7 @@ def _send(x, dst, backend: Backend, tag, timeout, blocking: bool):
     try:
         req = state.comm.Isend([x, x.nbytes, _BYTE], dst, tag)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error("send", exc) from None
     if blocking:
         return complete(state, opcode, 0, req, None, None, x, timeout, dst)
@@ -364,7 +364,7 @@ def irecv(
     try:
         req = state.comm.Irecv([buf, buf.nbytes, _BYTE], src, tag)
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error("irecv", exc) from None
     return PendingCollective(
         state,
@@ -499,7 +499,7 @@ def sendrecv(
             comm.Isend([x, x.nbytes, _BYTE], peer, tag),
         )
     except MPI.Exception as exc:
-        state.end(_status.FAILED)
+        state.end(_status_board.FAILED)
         raise mpi_error("sendrecv", exc) from None
     keep = (buf, status, "sendrecv", x)
     return complete(

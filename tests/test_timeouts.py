@@ -276,10 +276,10 @@ def test_invalid_environment_timeout_fails_at_first_use_not_import():
     ],
 )
 def test_yield_policy(monkeypatch, forced, node_ranks, cpus, expected):
-    from ferrompi import _status
+    from ferrompi import _status_board
 
     monkeypatch.setenv("FERROMPI_YIELD", forced)
-    assert _status._yield_policy(node_ranks, cpus) == expected
+    assert _status_board._yield_policy(node_ranks, cpus) == expected
 
 
 @pytest.fixture
@@ -292,11 +292,11 @@ def restore_affinity():
 def test_node_cpus_counts_what_the_ranks_may_run_on(restore_affinity):
     from mpi4py import MPI
 
-    from ferrompi import _status
+    from ferrompi import _status_board
 
-    assert _status.node_cpus(MPI.COMM_SELF) == len(restore_affinity)
+    assert _status_board.node_cpus(MPI.COMM_SELF) == len(restore_affinity)
     os.sched_setaffinity(0, restore_affinity[-1:])  # bound to one CPU
-    assert _status.node_cpus(MPI.COMM_SELF) == 1
+    assert _status_board.node_cpus(MPI.COMM_SELF) == 1
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to bind 2 ranks")
@@ -304,9 +304,9 @@ def test_ranks_bound_to_a_cpu_each_wait_as_ranks_with_a_cpu_each():
     """``mpiexec -bind-to core``: each rank sees one CPU, yet the node is not oversubscribed."""
     mpiexec = pathlib.Path(sys.executable).with_name("mpiexec")
     code = (
-        "import os, ferrompi as fm; from mpi4py import MPI; from ferrompi import _status; "
-        "fm.init(); mine = (len(os.sched_getaffinity(0)), _status.yield_after, "
-        "_status.collective_yield_after); every = MPI.COMM_WORLD.gather(mine); "
+        "import os, ferrompi as fm; from mpi4py import MPI; from ferrompi import _status_board; "
+        "fm.init(); mine = (len(os.sched_getaffinity(0)), _status_board.yield_after, "
+        "_status_board.collective_yield_after); every = MPI.COMM_WORLD.gather(mine); "
         "MPI.COMM_WORLD.rank or print(every)"
     )
     out = subprocess.run(
@@ -324,14 +324,14 @@ def test_node_cpus_of_ranks_bound_to_a_cpu_each(restore_affinity):
     """Ranks bound to a CPU each see one CPU, but the node has one per rank."""
     from mpi4py import MPI
 
-    from ferrompi import _status
+    from ferrompi import _status_board
 
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
     size, rank = node.size, node.rank
     try:
-        unbound = _status.node_cpus(node)
+        unbound = _status_board.node_cpus(node)
         os.sched_setaffinity(0, [restore_affinity[rank % len(restore_affinity)]])
-        bound = _status.node_cpus(node)
+        bound = _status_board.node_cpus(node)
     finally:
         node.Free()
     assert unbound == len(restore_affinity)
@@ -339,29 +339,29 @@ def test_node_cpus_of_ranks_bound_to_a_cpu_each(restore_affinity):
 
 
 def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
-    from ferrompi import _status
+    from ferrompi import _status_board
 
     yields = []
-    monkeypatch.setattr(_status.os, "sched_yield", lambda: yields.append(1))
-    monkeypatch.setattr(_status, "yield_after", 512)
-    monkeypatch.setattr(_status, "collective_yield_after", 512)
-    monkeypatch.setattr(_status, "yield_every", 64)
+    monkeypatch.setattr(_status_board.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(_status_board, "yield_after", 512)
+    monkeypatch.setattr(_status_board, "collective_yield_after", 512)
+    monkeypatch.setattr(_status_board, "yield_every", 64)
     tries = iter(range(2000))
-    assert _status.spin_until(lambda: next(tries) == 1999, time.monotonic() + 60)
+    assert _status_board.spin_until(lambda: next(tries) == 1999, time.monotonic() + 60)
     # tests 513..1999 that are multiples of 64: 576, 640, ..., 1984
     assert len(yields) == len(range(576, 2000, 64)) == 23
     yields.clear()
-    monkeypatch.setattr(_status, "yield_every", 1)
+    monkeypatch.setattr(_status_board, "yield_every", 1)
     tries = iter(range(100))
-    assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
+    assert _status_board.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert not yields  # 99 failed tests, fewer than yield_after
-    monkeypatch.setattr(_status, "collective_yield_after", 16)
+    monkeypatch.setattr(_status_board, "collective_yield_after", 16)
     tries = iter(range(100))
-    assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
+    assert _status_board.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert len(yields) == 99 - 16
     yields.clear()
     tries = iter(range(100))  # a point-to-point wait: yield_after (512) applies
-    assert _status.spin_until(lambda: next(tries) == 99, time.monotonic() + 60, None, False)
+    assert _status_board.spin_until(lambda: next(tries) == 99, time.monotonic() + 60, None, False)
     assert not yields
 
 
@@ -377,10 +377,10 @@ class _TwoRanks:
 
 def _lone_participant():
     """A participant on a board of its own (rank 0)."""
-    from ferrompi import _status
+    from ferrompi import _status_board
 
-    board = _status.Board({0: np.zeros(_status.REC_WORDS, np.int64)})
-    return _status.Participant(board, 0, os.getpid())
+    board = _status_board.Board({0: np.zeros(_status_board.REC_WORDS, np.int64)})
+    return _status_board.Participant(board, 0, os.getpid())
 
 
 class _WriteLog:
@@ -403,69 +403,72 @@ def test_board_words_are_written_in_the_order_its_readers_rely_on():
     # words (the words, a fence, then the key: Arm and POWER reorder stores),
     # and one that reads a collective's new number must see its new operation
     # (one word holds both)
-    from ferrompi import _progress, _status
+    from ferrompi import _comm_state, _status_board
 
     participant = _lone_participant()
-    log = participant.rec = _WriteLog(_status.REC_WORDS)
+    log = participant.rec = _WriteLog(_status_board.REC_WORDS)
     participant.board.fence = lambda: log.writes.append("fence")
-    for _ in range(_status.NSLOTS + 1):  # the last one reuses a slot
+    for _ in range(_status_board.NSLOTS + 1):  # the last one reuses a slot
         log.writes.clear()
         key, slot = participant.register((0, 1))
         assert log.writes[-2:] == ["fence", slot] and log.words[slot] == key
         assert log.writes.index(slot) == 0  # the old key goes first
 
-    state = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
+    state = _comm_state.CommState(_TwoRanks(), (0, 1), participant, 30.0)
     for seq in (1, 2):
         log.writes.clear()
-        state.begin(_status.OPCODE["allreduce"])
-        assert state.slot + _status.ENTERED in log.writes
-        assert log.words[state.slot + _status.ENTERED] == seq << 8 | _status.OPCODE["allreduce"]
+        state.begin(_status_board.OPCODE["allreduce"])
+        assert state.slot + _status_board.ENTERED in log.writes
+        assert (
+            log.words[state.slot + _status_board.ENTERED]
+            == seq << 8 | _status_board.OPCODE["allreduce"]
+        )
 
 
 def _board_of_two(fence=None):
     """Participants of global ranks 0 and 1 on one board, and their slots of group (0, 1)."""
-    from ferrompi import _status
+    from ferrompi import _status_board
 
-    rows = {r: np.zeros(_status.REC_WORDS, np.int64) for r in (0, 1)}
-    board = _status.Board(rows, fence=fence)
-    me, peer = (_status.Participant(board, r, os.getpid()) for r in (0, 1))
+    rows = {r: np.zeros(_status_board.REC_WORDS, np.int64) for r in (0, 1)}
+    board = _status_board.Board(rows, fence=fence)
+    me, peer = (_status_board.Participant(board, r, os.getpid()) for r in (0, 1))
     (key, slot), (peer_key, peer_slot) = me.register((0, 1)), peer.register((0, 1))
     assert key == peer_key
     return me, peer, key, slot, peer_slot
 
 
 def test_sizes_apart_reports_a_peer_waiting_with_another_size():
-    from ferrompi import _status
+    from ferrompi import _status_board
 
     me, peer, key, slot, peer_slot = _board_of_two()
-    assert _status.sizes_apart(peer, (0, 1), key, peer_slot, 5, 64) == []  # I am not waiting
-    assert _status.sizes_apart(me, (0, 1), key, slot, 5, 128) == [(1, 64)]
-    assert _status.sizes_apart(me, (0, 1), key, slot, 6, 128) == []  # it waits in #5, not #6
-    assert _status.sizes_apart(peer, (0, 1), key, peer_slot, 6, 128) == []
+    assert _status_board.sizes_apart(peer, (0, 1), key, peer_slot, 5, 64) == []  # I am not waiting
+    assert _status_board.sizes_apart(me, (0, 1), key, slot, 5, 128) == [(1, 64)]
+    assert _status_board.sizes_apart(me, (0, 1), key, slot, 6, 128) == []  # it waits in #5, not #6
+    assert _status_board.sizes_apart(peer, (0, 1), key, peer_slot, 6, 128) == []
 
 
 def test_sizes_apart_does_not_pair_a_peers_number_with_its_next_wait():
     # the peer waited in #5 with this rank's size, then moves on to a long wait
     # in #9 with another size just after this rank read its number 5: the
     # bytes read next are #9's, and must not be reported as #5's
-    from ferrompi import _status
+    from ferrompi import _status_board
 
     moves = []
     me, peer, key, slot, peer_slot = _board_of_two(lambda: moves and moves.pop()())
-    _status.sizes_apart(peer, (0, 1), key, peer_slot, 5, 64)
-    _status.sizes_apart(me, (0, 1), key, slot, 5, 64)  # published: later calls only read
+    _status_board.sizes_apart(peer, (0, 1), key, peer_slot, 5, 64)
+    _status_board.sizes_apart(me, (0, 1), key, slot, 5, 64)  # published: later calls only read
     fences = []
     moves.append(lambda: fences.append("peer slot read"))
-    assert _status.sizes_apart(me, (0, 1), key, slot, 5, 64) == []
+    assert _status_board.sizes_apart(me, (0, 1), key, slot, 5, 64) == []
     assert fences  # the hook ran: the reads are fenced
 
     def move_on():
         moves.clear()
-        _status.sizes_apart(peer, (0, 1), key, peer_slot, 9, 4096)
+        _status_board.sizes_apart(peer, (0, 1), key, peer_slot, 9, 4096)
 
     moves[:] = [move_on, lambda: None]  # run by the fence after the numbers are read
-    assert _status.sizes_apart(me, (0, 1), key, slot, 5, 64) == []
-    assert peer.row[peer_slot + _status.WAIT_SEQ] == 9  # the move did happen mid-read
+    assert _status_board.sizes_apart(me, (0, 1), key, slot, 5, 64) == []
+    assert peer.row[peer_slot + _status_board.WAIT_SEQ] == 9  # the move did happen mid-read
 
 
 def test_board_slots_of_gone_communicators_are_reused_first():
@@ -473,22 +476,23 @@ def test_board_slots_of_gone_communicators_are_reused_first():
     # lose the world's slot on the board (its timeouts name missing ranks by it)
     import gc
 
-    from ferrompi import _progress, _status
+    from ferrompi import _comm_state, _status_board
 
     participant = _lone_participant()
-    world = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
-    for _ in range(3 * _status.NSLOTS):
-        group = _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0)
+    world = _comm_state.CommState(_TwoRanks(), (0, 1), participant, 30.0)
+    for _ in range(3 * _status_board.NSLOTS):
+        group = _comm_state.CommState(_TwoRanks(), (0, 1), participant, 30.0)
         assert group.slot != world.slot
         del group
         gc.collect()
     assert participant.rec[world.slot] == world.key
     # with every slot held by a live communicator, the oldest gives its slot up
     alive = [
-        _progress.CommState(_TwoRanks(), (0, 1), participant, 30.0) for _ in range(_status.NSLOTS)
+        _comm_state.CommState(_TwoRanks(), (0, 1), participant, 30.0)
+        for _ in range(_status_board.NSLOTS)
     ]
     assert participant.rec[world.slot] != world.key
-    assert len({s.slot for s in alive}) == _status.NSLOTS
+    assert len({s.slot for s in alive}) == _status_board.NSLOTS
 
 
 def test_a_dead_rank_is_dead_whether_or_not_its_parent_has_reaped_it(monkeypatch):
@@ -498,18 +502,18 @@ def test_a_dead_rank_is_dead_whether_or_not_its_parent_has_reaped_it(monkeypatch
     import subprocess
     import sys
 
-    from ferrompi import _status
+    from ferrompi import _status_board
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert _status._pid_alive(child.pid)
+        assert _status_board._pid_alive(child.pid)
     finally:
         child.kill()
     deadline = time.monotonic() + 10
     while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert not _status._pid_alive(child.pid)  # a zombie
+    assert not _status_board._pid_alive(child.pid)  # a zombie
 
     real_kill = os.kill
 
@@ -519,6 +523,6 @@ def test_a_dead_rank_is_dead_whether_or_not_its_parent_has_reaped_it(monkeypatch
         os.waitpid(pid, 0)
 
     monkeypatch.setattr(os, "kill", kill_then_reap)
-    assert not _status._pid_alive(child.pid)
+    assert not _status_board._pid_alive(child.pid)
     assert os.kill is real_kill  # the reap did happen between the looks
     child.returncode = -9  # reaped above: Popen must not wait for it again

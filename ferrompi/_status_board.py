@@ -18,6 +18,7 @@ Writing a record costs a few stores per call. No communication is involved.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -25,7 +26,6 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from . import _flight
 from ._mpi import MPI
 
 # Operation codes: positions in this tuple. The tuple is the same in every
@@ -81,6 +81,54 @@ assert len(OPS) <= 0xFF
 # States.
 IDLE, ACTIVE, DONE, TIMED_OUT, FAILED = range(5)
 _STATE_NAMES = ("idle", "in", "done", "timed out", "failed")
+
+# A flight-recorder entry is a list, updated in place when the operation ends;
+# its items, by index:
+E_SEQ, E_OP, E_KEY, E_SIZE, E_SHAPE, E_DTYPE, E_PEER, E_T_START, E_T_END, E_STATE = range(10)
+_ENTRY_STATES = ("idle", "active", "done", "timed out", "failed")
+
+
+def _flight_capacity() -> int:
+    text = os.environ.get("FERROMPI_FLIGHT_SIZE", "256")
+    try:
+        return max(1, int(text))
+    except ValueError:
+        return 256
+
+
+class FlightRecorder:
+    """A ring of the last operations of one participant (see :mod:`ferrompi.flight`).
+
+    :meth:`CommState.begin <ferrompi._comm_state.CommState.begin>` appends an
+    entry (a list indexed by ``E_SEQ`` ... ``E_STATE``) to :attr:`ring`, and
+    the operation's end updates it in place.
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.ring: collections.deque = collections.deque(maxlen=capacity or _flight_capacity())
+        self.wall_offset_ns = time.time_ns() - time.monotonic_ns()
+
+    def entries(self) -> list[dict]:
+        """The recorded operations, oldest first, as JSON-ready dicts."""
+        out = []
+        for e in list(self.ring):
+            start = (e[E_T_START] + self.wall_offset_ns) / 1e9
+            end = (e[E_T_END] + self.wall_offset_ns) / 1e9 if e[E_T_END] else None
+            out.append(
+                {
+                    "seq": e[E_SEQ],
+                    "op": OPS[e[E_OP]],
+                    "group": f"{e[E_KEY]:016x}",
+                    "group_size": e[E_SIZE],
+                    "shape": None if e[E_SHAPE] is None else [int(d) for d in e[E_SHAPE]],
+                    "dtype": "" if e[E_DTYPE] is None else str(e[E_DTYPE]),
+                    "peer": e[E_PEER] if e[E_PEER] >= 0 else None,
+                    "start": start,
+                    "end": end,
+                    "status": _ENTRY_STATES[e[E_STATE]],
+                }
+            )
+        return out
 
 
 class Board:
@@ -176,7 +224,7 @@ class Participant:
         self.row = board.rows[world_rank]
         self.rec = memoryview(self.row)
         self.rec[PID] = pid
-        self.flight = _flight.FlightRecorder()
+        self.flight = FlightRecorder()
         self._created: dict[tuple[int, ...], int] = {}
         self._next_slot = 0
         self._free_slots: list[int] = []  # slots of communicators that are gone

@@ -1,0 +1,260 @@
+"""What ferrompi keeps per communicator: :class:`CommState`.
+
+Sequence numbers (MPI matches collectives by their order on a
+communicator), health (broken after a timeout or a peer's rejection), the
+status-board slot and flight-recorder entry of each operation
+(:meth:`CommState.begin`, :meth:`CommState.end`), and the check that a
+collective may start after one this rank rejected locally
+(:meth:`CommState.settle_rejection`). In debug mode, :meth:`CommState.begin`
+first exchanges the call's header with the peers (:mod:`ferrompi.debug`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from time import monotonic_ns
+
+import numpy as np
+
+from . import _status_board, debug
+from ._progress import wait_step
+from ._status_board import (
+    ACTIVE,
+    DONE,
+    E_STATE,
+    E_T_END,
+    ENTERED,
+    FAILED,
+    KEY,
+    OP,
+    PEER,
+    REJECTED,
+    SEQ,
+    SETTLED,
+    STATE,
+    T_END,
+    T_START,
+)
+from .errors import CollectiveTimeout, DistributedError
+
+
+class CommState:
+    """What ferrompi keeps per communicator: sequence numbers and health.
+
+    Shared by every backend object wrapping the same communicator, since
+    MPI matches collectives per communicator.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "broken",
+        "comm",
+        "crowded",
+        "destroyed",
+        "flight",
+        "fusion",
+        "key",
+        "last",
+        "owned",
+        "participant",
+        "rank",
+        "rec",
+        "rejected",
+        "release",
+        "seq",
+        "shm",
+        "size",
+        "slot",
+        "timeout",
+        "world_ranks",
+    )
+
+    def __init__(self, comm, world_ranks: tuple[int, ...], participant, timeout: float) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.world_ranks = world_ranks
+        self.participant = participant
+        self.key, self.slot = participant.register(world_ranks)
+        #: Gives the board slot back: when the state is collected, or when destroyed.
+        self.release = weakref.finalize(self, participant.release, self.key, self.slot)
+        self.rec = participant.rec
+        self.seq = 0
+        self.timeout = timeout
+        self.broken: str | None = None
+        self.flight = participant.flight.ring
+        self.last: list | None = None
+        self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
+        self.crowded: bool | None = None  # one node with more ranks than CPUs (collectives)
+        self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
+        self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
+        self.rejected = 0  # the collective this rank last rejected locally, until settled
+        self.destroyed = False  # by ferrompi.destroy_process_group
+
+    def fusion_buffer(self, dtype, count: int):
+        """A reused 1-D buffer of ``count`` elements of ``dtype`` (grown, never shrunk)."""
+        buf = self.fusion.get(dtype)
+        if buf is None or buf.size < count:
+            self.fusion[dtype] = buf = np.empty(count, dtype)
+        return buf[:count]
+
+    def begin(
+        self,
+        opcode: int,
+        peer: int = -1,
+        shape: tuple | None = None,
+        dtype=None,
+        op=None,
+        root: int = -1,
+        timeout: float | None = None,
+        rejected: bool = False,
+    ) -> int:
+        """Record the start of an operation; collectives (``peer < 0``) get a number.
+
+        Writes the status board and appends a flight-recorder entry (``last``).
+        In debug mode (:mod:`ferrompi.debug`), a collective first checks that
+        every rank called the same one with the same ``shape``, ``dtype``,
+        reduction ``op`` and ``root`` (a ``rejected`` call takes part, flagged).
+        """
+        if self.broken is not None:
+            raise DistributedError(self.broken)
+        rec = self.rec
+        if peer < 0:
+            if self.rejected:
+                self.settle_rejection(opcode, timeout)
+            self.seq = seq = self.seq + 1
+            rec[self.slot + ENTERED] = seq << 8 | opcode
+        else:
+            seq = 0
+        rec[OP] = opcode
+        rec[KEY] = self.key
+        rec[SEQ] = seq
+        rec[PEER] = peer
+        rec[T_START] = now = monotonic_ns()
+        rec[STATE] = ACTIVE
+        self.last = entry = [seq, opcode, self.key, self.size, shape, dtype, peer, now, 0, 1]
+        self.flight.append(entry)
+        if debug.ENABLED and peer < 0:
+            self._check_agreement(opcode, seq, shape, dtype, op, root, rejected, timeout)
+        return seq
+
+    def _check_agreement(self, opcode, seq, shape, dtype, op, root, rejected, timeout) -> None:
+        """Debug mode: exchange this call's header with the peers; raise if they disagree.
+
+        A step of collective ``seq`` (:func:`~ferrompi._progress.wait_step`):
+        the collective itself follows.
+
+        Raises
+        ------
+        DistributedError
+            On every rank, when the ranks called different collectives or
+            passed incompatible arguments (:func:`ferrompi.debug.disagreement`).
+        """
+        header = debug.header(opcode, seq, shape, dtype, op, root, rejected)
+        req, table = debug.exchange(self.comm, header)
+        wait_step(self, opcode, seq, req, timeout)
+        message = debug.disagreement(table)
+        if message is not None:
+            self.end(FAILED)
+            raise DistributedError(message)
+
+    def settle_rejection(self, opcode: int, timeout: float | None) -> None:
+        """Before the first collective after one this rank rejected: start it only if safe.
+
+        The rejected collective's number was not consumed, so MPI matches
+        this call with whatever the peers started under that number. That
+        is the same call when they rejected it too (the same bad input on
+        every rank, the common case); when a peer started the rejected
+        collective instead, MPI would pair two different operations and
+        hand back wrong data. So this waits until every peer on this node
+        has either rejected it or started it, and raises if one started it.
+        Ranks that rejected it then wait until each has read the others'
+        records (``SETTLED``), so none moves on, and overwrites its record,
+        before the others have read it. Peers on other nodes cannot be seen.
+
+        Raises
+        ------
+        DistributedError
+            If a peer started the rejected collective; the backend is then unusable.
+        CollectiveTimeout
+            If a peer has done neither within ``timeout``, or not read this
+            rank's record.
+        """
+        seq, name = self.rejected, _status_board.OPS[opcode]
+        seconds = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + seconds
+        args = (self.participant, self.world_ranks, self.key, seq)
+        fate: list = []
+
+        def decided() -> bool:
+            fate[:] = _status_board.fate_of_rejected(*args)
+            return not fate[1]
+
+        def timed_out(ranks: list[int], what: str) -> CollectiveTimeout:
+            return CollectiveTimeout(
+                seconds,
+                name,
+                tuple(ranks),
+                f"this rank rejected collective #{seq} before communicating and waits for "
+                f"{', '.join(f'rank {r}' for r in ranks)} to {what}",
+                f"(collective #{seq} of a group of {self.size})",
+            )
+
+        if not _status_board.spin_until(decided, deadline):
+            raise timed_out(fate[1], "reach it")
+        started, _, rejected = fate
+        self.rec[self.slot + SETTLED] = seq  # read: the peers may move on
+        if started:
+            who = ", ".join(f"rank {r}" for r in started)
+            self.broken = (
+                f"this backend is unusable: {who} started collective #{seq}, which this rank "
+                "rejected before communicating; MPI would match this rank's next collective "
+                "with it and mix up their data. End the job with fm.abort()"
+            )
+            raise DistributedError(f"{name}: {self.broken}")
+        if not _status_board.spin_until(lambda: _status_board.settled(*args, rejected), deadline):
+            raise timed_out(rejected, "read this rank's record")
+        self.rejected = 0
+
+    def end(self, state: int = DONE, entry: list | None = None) -> None:
+        """Record the end of the operation ``entry`` (default the last begun) as ``state``."""
+        rec = self.rec
+        rec[T_END] = now = monotonic_ns()
+        rec[STATE] = state
+        entry = self.last if entry is None else entry
+        if entry is not None:
+            entry[E_T_END] = now
+            entry[E_STATE] = state
+
+    def fail_before_start(self, opcode: int) -> None:
+        """Record that an operation was rejected locally (peers may wait for it).
+
+        In debug mode a rejected collective still takes part in the header
+        exchange, flagged, so that its peers raise instead of waiting.
+        """
+        rec = self.rec
+        if opcode not in _POINT_TO_POINT and self.broken is None:
+            if debug.ENABLED:
+                try:
+                    seq = self.begin(opcode, rejected=True)
+                except DistributedError:
+                    seq = self.seq  # the caller raises its own, more precise error
+            else:
+                # The number is not consumed: MPI would match this rank's next
+                # collective with the one its peers started, which the next
+                # begin() checks first (settle_rejection).
+                seq = self.rejected = self.seq + 1
+            rec[self.slot + REJECTED] = seq  # peers waiting for it raise
+        rec[OP] = opcode
+        rec[KEY] = self.key
+        rec[SEQ] = 0
+        rec[PEER] = -1
+        rec[T_END] = monotonic_ns()
+        rec[STATE] = FAILED
+
+
+_POINT_TO_POINT = frozenset(
+    _status_board.OPCODE[name]
+    for name in ("send", "recv", "recv_into", "sendrecv", "isend", "irecv")
+)
