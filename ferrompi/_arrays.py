@@ -21,14 +21,13 @@ import ctypes
 import math
 import threading
 import weakref
-from collections.abc import Mapping
 
 import numpy as np
 
 from . import gpu
 from ._dtypes import DATATYPES, mpi_datatype
 from ._simcomm import SimComm
-from .errors import InvalidArgument
+from .errors import InvalidArgument, InvalidRank
 
 _ndarray = np.ndarray
 _CAI = "__cuda_array_interface__"
@@ -306,59 +305,10 @@ def overlaps(a, b) -> bool:
     return bool(array_module(a).may_share_memory(a, b))
 
 
-def host_tree(tree: Mapping, copy: bool) -> tuple[Mapping, list]:
-    """``tree`` with its device arrays on the host, for code that only reads host memory.
-
-    Walks nested mappings; each device array, and each DTensor whose local
-    array is on a device, is replaced by a host counterpart: a copy of its
-    data with ``copy=True`` (saving), an uninitialised array of its shape and
-    dtype otherwise (loading into it). A tree without device arrays comes
-    back as the same object.
-
-    Returns
-    -------
-    (tree, pairs)
-        The host tree, and the ``(device array, host array)`` pairs; after
-        filling the host arrays, ``copy_into(device, host)`` puts them back.
-    """
-    from .dtensor import DTensor
-
-    pairs: list = []
-
-    def host(a):
-        arr = gpu.as_cupy(a, "checkpoint")
-        h = np.empty(arr.shape, arr.dtype)
-        if copy:
-            gpu.wait_for_producers(a)
-            gpu.to_host(arr, h)
-        pairs.append((arr, h))
-        return h
-
-    def walk(node: Mapping) -> Mapping:
-        changed = {}
-        for key, value in node.items():
-            if isinstance(value, Mapping):
-                new = walk(value)
-            elif isinstance(value, DTensor) and is_device(value.to_local()):
-                local = host(value.to_local())
-                new = DTensor(local, value.mesh, value.placements, value.shape)
-            elif is_device(value):
-                new = host(value)
-            else:
-                continue
-            if new is not value:
-                changed[key] = new
-        return {**node, **changed} if changed else node
-
-    return walk(tree), pairs
-
-
 def check_rank(value, world_size: int, what: str, op: str) -> int:
     """Validate a peer or root rank; return it as int."""
     if type(value) is int and 0 <= value < world_size:
         return value
-    from .errors import InvalidRank
-
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgument(f"{op}: {what} must be an integer rank, not {value!r}")
     if not 0 <= value < world_size:

@@ -1,4 +1,4 @@
-"""Sharded arrays over a device mesh: placements and :class:`DTensor`.
+"""Sharded arrays over a device mesh: :class:`DTensor` and its redistribution.
 
 A DTensor is a global array of ``shape`` held across the ranks of a
 :class:`~ferrompi.DeviceMesh`, described by one placement per mesh dimension:
@@ -9,10 +9,8 @@ A DTensor is a global array of ``shape`` held across the ranks of a
 * :class:`Partial(op) <Partial>` — the true value is the reduction ``op`` of
   the ranks' local arrays along that mesh dimension.
 
-Uneven shapes follow ``torch.chunk``, as ``torch.distributed.tensor`` does:
-``n`` rows over ``k`` ranks give each of the first ranks ``ceil(n / k)``
-rows and the rest what remains, possibly nothing. Several mesh dimensions
-sharding the same tensor dimension split it in mesh-dimension order.
+Uneven shapes follow ``torch.chunk`` (:mod:`ferrompi.placements`, which
+also holds the layout arithmetic that checkpoints share).
 
 Unlike the reference crate, whose ``redistribute`` only relabels, every
 transition here moves the data:
@@ -46,7 +44,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,86 +52,17 @@ from ._arrays import array_module, as_input
 from .errors import InvalidArgument
 from .mesh import DeviceMesh
 from .ops import ReduceOp
+from .placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    as_partial,
+    chunk_range,
+    shard_ranges,
+)
 
-__all__ = [
-    "Placement",
-    "Replicate",
-    "Shard",
-    "Partial",
-    "DTensor",
-    "distribute_tensor",
-    "chunk_range",
-]
-
-
-class Placement:
-    """How a DTensor is laid out along one mesh dimension."""
-
-    __slots__ = ()
-
-    def is_replicate(self) -> bool:
-        return isinstance(self, Replicate)
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        """True for a Shard (of tensor dimension ``dim``, if given)."""
-        return isinstance(self, Shard) and (dim is None or self.dim == dim)
-
-    def is_partial(self) -> bool:
-        return isinstance(self, Partial)
-
-    @property
-    def shard_dim(self) -> int | None:
-        """The sharded tensor dimension (Shard), else ``None``."""
-        return self.dim if isinstance(self, Shard) else None
-
-
-@dataclass(frozen=True, slots=True)
-class Replicate(Placement):
-    """Every rank along the mesh dimension holds the whole data."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-@dataclass(frozen=True, slots=True)
-class Shard(Placement):
-    """Ranks along the mesh dimension hold consecutive chunks of tensor dimension ``dim``."""
-
-    dim: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, (int, np.integer)):
-            raise InvalidArgument(f"Shard dim must be an integer, got {self.dim!r}")
-
-    def __repr__(self) -> str:
-        return f"Shard(dim={self.dim})"
-
-
-@dataclass(frozen=True, slots=True)
-class Partial(Placement):
-    """The value is the reduction ``op`` of the local arrays along the mesh dimension."""
-
-    op: ReduceOp = ReduceOp.SUM
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.op, ReduceOp):
-            raise InvalidArgument(f"Partial op must be a ReduceOp, got {self.op!r}")
-
-    def __repr__(self) -> str:
-        return f"Partial({self.op!r})"
-
-
-def chunk_range(n: int, k: int, i: int) -> tuple[int, int]:
-    """``[start, stop)`` of chunk ``i`` when ``n`` items split into ``k`` by ``torch.chunk``.
-
-    Examples
-    --------
-    >>> from ferrompi import chunk_range
-    >>> [chunk_range(5, 3, i) for i in range(3)], [chunk_range(2, 4, i) for i in range(4)]
-    ([(0, 2), (2, 4), (4, 5)], [(0, 1), (1, 2), (2, 2), (2, 2)])
-    """
-    size = -(-n // k) if n else 0
-    return min(i * size, n), min((i + 1) * size, n)
+__all__ = ["DTensor", "distribute_tensor"]
 
 
 def _normalize(placements, mesh: DeviceMesh, ndim: int) -> tuple[Placement, ...]:
@@ -156,17 +84,6 @@ def _normalize(placements, mesh: DeviceMesh, ndim: int) -> tuple[Placement, ...]
             p = Shard(int(p.dim) % ndim)
         out.append(p)
     return tuple(out)
-
-
-def _ranges(shape, mesh_shape, placements, coords) -> list[tuple[int, int]]:
-    """The ``[start, stop)`` of each tensor dimension held at mesh ``coords``."""
-    ranges = [(0, n) for n in shape]
-    for m, p in enumerate(placements):
-        if isinstance(p, Shard):
-            start, stop = ranges[p.dim]
-            a, b = chunk_range(stop - start, mesh_shape[m], coords[m])
-            ranges[p.dim] = (start + a, start + b)
-    return ranges
 
 
 def _slice(array: np.ndarray, dim: int, start: int, stop: int) -> np.ndarray:
@@ -251,7 +168,8 @@ class DTensor:
                 )
             if mesh.is_live:
                 expected = tuple(
-                    b - a for a, b in _ranges(shape, mesh.shape, placements, mesh.get_coordinate())
+                    b - a
+                    for a, b in shard_ranges(shape, mesh.shape, placements, mesh.get_coordinate())
                 )
                 if expected != local.shape:
                     raise InvalidArgument(
@@ -363,7 +281,7 @@ class DTensor:
                     a, b = chunk_range(extent, group.world_size, coords[m])
                     local = xp.ascontiguousarray(_slice(local, d, a, b))
             elif isinstance(goal, Partial):
-                local = _partition(local, goal.op, group.rank)
+                local = as_partial(local, goal.op, group.rank)
             current[m] = goal
         return DTensor(local, mesh, target, self._shape)
 
@@ -374,7 +292,7 @@ class DTensor:
         for j in range(mesh.shape[m]):
             c = list(coords)
             c[m] = j
-            out.append(_ranges(self._shape, mesh.shape, placements, c))
+            out.append(shard_ranges(self._shape, mesh.shape, placements, c))
         return out
 
     def _gather(self, local: np.ndarray, placements, m: int, coords) -> np.ndarray:
@@ -443,16 +361,6 @@ def _is_shard_swap(current, target, m: int) -> bool:
     )
 
 
-def _partition(local: np.ndarray, op: ReduceOp, group_rank: int) -> np.ndarray:
-    """Replicated data as a Partial(op): reducing the parts gives ``local`` back."""
-    xp = array_module(local)
-    if op in (ReduceOp.SUM, ReduceOp.BXOR):
-        return local.copy() if group_rank == 0 else xp.zeros_like(local)
-    if op is ReduceOp.PRODUCT:
-        return local.copy() if group_rank == 0 else xp.ones_like(local)
-    return local.copy()
-
-
 def _infer_shape(local: np.ndarray, mesh: DeviceMesh, placements) -> tuple[int, ...]:
     """Global shape from the local sizes along every sharding mesh dimension."""
     shape = list(local.shape)
@@ -468,7 +376,7 @@ def _infer_shape(local: np.ndarray, mesh: DeviceMesh, placements) -> tuple[int, 
     # Every rank's local size must be the chunk rule's. The verdict is agreed
     # over the whole mesh (a MAX along each dimension reaches every rank), so
     # that every rank raises or none does.
-    expected = tuple(b - a for a, b in _ranges(shape, mesh.shape, placements, coords))
+    expected = tuple(b - a for a, b in shard_ranges(shape, mesh.shape, placements, coords))
     bad = np.array([expected != local.shape], np.int8)
     for m in range(mesh.ndim):
         bad = collectives.allreduce(bad, mesh.get_group(m), ReduceOp.MAX)

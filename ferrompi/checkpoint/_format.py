@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..dtensor import Partial, Placement, Replicate, Shard, _ranges, chunk_range
 from ..errors import (
     CheckpointInvalidArgument,
     CheckpointIOError,
@@ -24,6 +23,7 @@ from ..errors import (
     MissingShard,
 )
 from ..ops import ReduceOp
+from ..placements import Partial, Placement, Replicate, Shard, chunk_range, shard_ranges
 from ._io import outside_crc32
 from ._tree import _SUPPORTED
 
@@ -171,7 +171,7 @@ class TensorMeta:
                 return start, stop
             data = [None if isinstance(p, Partial) else p for p in self.placements()]
             coords = self.placement["rank_coords"][rank]
-            ranges = _ranges(shape, self.placement["mesh_shape"], data, coords)
+            ranges = shard_ranges(shape, self.placement["mesh_shape"], data, coords)
             return [a for a, _ in ranges], [b for _, b in ranges]
         d = self.shard_dim
         start[d], stop[d] = chunk_range(shape[d], world_size, rank)

@@ -19,20 +19,20 @@ from datetime import timedelta
 import h5py
 import numpy as np
 
-from .._arrays import copy_into, host_tree
+from .._arrays import copy_into
 from ..backend import Backend
-from ..dtensor import Partial, _partition, _ranges
 from ..errors import (
     CheckpointInvalidArgument,
     CheckpointTensorError,
     DistCheckpointError,
     MissingShard,
 )
+from ..placements import Partial, as_partial, shard_ranges
 from ._format import GLOBAL, Checkpoint, ShardMeta, TensorMeta, open_checkpoint
 from ._h5 import ShardSource
 from ._io import CHUNK, DEPTH, BlockCRC, Damage, scratch, stream
 from ._save import exchange, step_seconds
-from ._tree import flatten, native_dtype, unflatten
+from ._tree import flatten, host_tree, native_dtype, unflatten
 
 __all__ = [
     "load_distributed",
@@ -445,7 +445,7 @@ def _targets(state_dict, ckpt: Checkpoint, backend: Backend):
         mesh = dt.mesh
         coords = mesh.get_coordinate() if mesh.is_live else mesh.coords(backend.rank)
         data = [None if isinstance(p, Partial) else p for p in dt.placements]
-        ranges = _ranges(t.shape, mesh.shape, data, coords)
+        ranges = shard_ranges(t.shape, mesh.shape, data, coords)
         if not dt.to_local().flags.writeable:
             raise CheckpointInvalidArgument(f"{name!r}: the DTensor's local array is read-only")
         dts[name] = (t, ranges, coords)
@@ -568,7 +568,7 @@ def load_distributed_into(
                 _into(reader, t, local_array, [a for a, _ in ranges], [b for _, b in ranges])
                 for m, p in enumerate(dt.placements):
                     if isinstance(p, Partial):
-                        np.copyto(local_array, _partition(local_array, p.op, coords[m]))
+                        np.copyto(local_array, as_partial(local_array, p.op, coords[m]))
         for device, host in on_device:
             copy_into(device, host)
         for name in flat.objects:

@@ -40,18 +40,17 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 
 from .. import collectives
-from .._arrays import host_tree
 from .._progress import timeout_seconds
 from .._simcomm import SimComm
 from ..backend import Backend
 from ..collectives import gather_rows
-from ..dtensor import Partial, Replicate, Shard, _ranges
 from ..errors import (
     CheckpointInvalidArgument,
     CheckpointIOError,
     DistCheckpointError,
     FerrompiError,
 )
+from ..placements import Partial, Replicate, Shard, shard_ranges
 from ._format import (
     COMMIT,
     FORMAT,
@@ -69,7 +68,7 @@ from ._format import (
 )
 from ._h5 import mpi_h5py, write_global, write_shard_file, write_single
 from ._io import fsync_dir, rename_exchange
-from ._tree import check_array, flatten, object_text
+from ._tree import check_array, flatten, host_tree, object_text
 
 __all__ = ["save_distributed", "prepare", "run", "SaveJob", "exchange"]
 
@@ -282,7 +281,7 @@ def _plan_tensor(name: str, descs: list[dict], layout: str, problems: list) -> T
     data = [None if isinstance(p, Partial) else p for p in placements]
     writers: dict[tuple, int] = {}
     for r in range(n):
-        ranges = _ranges(shape, mesh_shape, data, coords[r])
+        ranges = shard_ranges(shape, mesh_shape, data, coords[r])
         sizes = tuple(b - a for a, b in ranges)
         local = tuple(descs[r]["tensors"][name]["local_shape"])
         if local != sizes:

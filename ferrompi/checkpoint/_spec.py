@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..dtensor import Shard, _ranges
 from ..errors import CheckpointInvalidArgument
+from ..placements import Shard, shard_ranges
 from ._tree import flatten
 
 __all__ = ["TensorShardSpec", "ShardMetadata", "flat_shard_metadata"]
@@ -137,7 +137,7 @@ def flat_shard_metadata(state_dict: Mapping, num_ranks: int) -> ShardMetadata:
         data = [p if isinstance(p, Shard) else None for p in dt.placements]
         sizes = []
         for r in range(n):
-            start, stop = _ranges(dt.shape, mesh.shape, data, mesh.coords(r))[d]
+            start, stop = shard_ranges(dt.shape, mesh.shape, data, mesh.coords(r))[d]
             sizes.append(stop - start)
         specs[name] = TensorShardSpec(list(dt.shape), d, sizes)
     return ShardMetadata(n, specs)

@@ -23,11 +23,21 @@ from typing import Any
 
 import numpy as np
 
+from .. import gpu
+from .._arrays import is_device
 from .._dtypes import SUPPORTED_DTYPES
 from ..dtensor import DTensor
 from ..errors import CheckpointInvalidArgument
 
-__all__ = ["Flat", "flatten", "unflatten", "object_text", "check_array", "native_dtype"]
+__all__ = [
+    "Flat",
+    "flatten",
+    "unflatten",
+    "object_text",
+    "check_array",
+    "native_dtype",
+    "host_tree",
+]
 
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
@@ -181,3 +191,48 @@ def unflatten(leaves: Mapping[str, Any], groups: list[str]) -> dict:
             node = node.setdefault(key, {})
         node[last] = value
     return root
+
+
+def host_tree(tree: Mapping, copy: bool) -> tuple[Mapping, list]:
+    """``tree`` with its device arrays on the host, for code that only reads host memory.
+
+    Walks nested mappings; each device array, and each DTensor whose local
+    array is on a device, is replaced by a host counterpart: a copy of its
+    data with ``copy=True`` (saving), an uninitialised array of its shape and
+    dtype otherwise (loading into it). A tree without device arrays comes
+    back as the same object.
+
+    Returns
+    -------
+    (tree, pairs)
+        The host tree, and the ``(device array, host array)`` pairs; after
+        filling the host arrays, ``copy_into(device, host)`` puts them back.
+    """
+    pairs: list = []
+
+    def host(a):
+        arr = gpu.as_cupy(a, "checkpoint")
+        h = np.empty(arr.shape, arr.dtype)
+        if copy:
+            gpu.wait_for_producers(a)
+            gpu.to_host(arr, h)
+        pairs.append((arr, h))
+        return h
+
+    def walk(node: Mapping) -> Mapping:
+        changed = {}
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                new = walk(value)
+            elif isinstance(value, DTensor) and is_device(value.to_local()):
+                local = host(value.to_local())
+                new = DTensor(local, value.mesh, value.placements, value.shape)
+            elif is_device(value):
+                new = host(value)
+            else:
+                continue
+            if new is not value:
+                changed[key] = new
+        return {**node, **changed} if changed else node
+
+    return walk(tree), pairs

@@ -68,11 +68,11 @@ from .._arrays import check_rank
 from .._mpi import MPI
 from .._simcomm import SimComm
 from ..backend import Backend, wrap_comm
-from ..dtensor import chunk_range
 from ..errors import InvalidArgument
 from ..groups import destroy_process_group
 from ..models.mlp import Sequential
 from ..ops import ReduceOp
+from ..placements import chunk_range
 from .optim import SGD
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy"]

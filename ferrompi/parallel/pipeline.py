@@ -49,10 +49,10 @@ import numpy as np
 
 from .. import p2p
 from ..backend import Backend
-from ..dtensor import chunk_range
 from ..errors import DistributedError, InvalidArgument
 from ..groups import destroy_process_group
 from ..models.mlp import Sequential
+from ..placements import chunk_range
 
 __all__ = ["Pipeline", "build_schedule"]
 
