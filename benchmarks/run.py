@@ -5,6 +5,7 @@ Run under MPI (2 ranks is the reference configuration)::
     mpiexec -n 2 .venv/bin/python benchmarks/run.py                 # every op, 4 B .. 64 MiB
     mpiexec -n 2 .venv/bin/python benchmarks/run.py --quick --check # CI guard, a few seconds
     mpiexec -n 4 python benchmarks/run.py --ops allreduce --json out.json --plot docs/_static
+    mpiexec -n 2 .venv/bin/python benchmarks/run.py --baseline /tmp/before   # against that code
 
 torch.distributed (gloo, CPU) joins the comparison when ``import torch``
 works in the ranks' Python (``pip install torch==2.13.0``, a CPU build).
@@ -59,6 +60,26 @@ time rank 0 takes to overwrite 512 KiB of shared memory that rank 1 has
 just read. On the development VM it is about 50 us in quiet periods and
 150-230 us in busy ones, in which the node engine loses its lead over MPI
 with constant inputs; read the ratios of a run with it.
+
+``--baseline DIR`` measures a change of ferrompi against the code before it,
+in the same run: ``DIR`` holds a ``ferrompi/`` package directory, such as a
+clone of an earlier commit::
+
+    git clone -q . /tmp/before && git -C /tmp/before checkout HEAD~1
+    mpiexec -n 2 .venv/bin/python benchmarks/run.py --baseline /tmp/before --no-torch
+
+That package is loaded beside the installed one, as ``ferrompi_baseline``
+(:func:`load_baseline`), and initialised too; every row gets one more
+implementation, ``baseline``: the ``ferrompi`` call made through it, on the
+same arrays (same ``out=``), with the same number of calls per block as
+``ferrompi``, interleaved with the others. Both packages issue their
+collectives on ``COMM_WORLD`` in the same order on every rank. The table
+adds ``ferrompi/baseline`` (ratio of medians) and ``ferrompi-baseline``
+(paired, as ``ferrompi-mpi4py``), and a summary follows the table
+(:func:`baseline_report`): how many rows have ``ferrompi/baseline`` above
+1.05, and the five highest ratios with their paired differences. The
+``--json`` output holds the ``baseline`` samples of every row. Loading the
+repository itself as the baseline (the same code twice) shows the noise.
 
 ``--memory`` measures the peak resident memory each rank adds during a
 64 MiB allreduce (``VmHWM`` after resetting it through
@@ -123,16 +144,44 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def load_baseline(directory: str, name: str = "ferrompi_baseline"):
+    """The package ``directory/ferrompi``, loaded apart from ``ferrompi`` as module ``name``.
+
+    Its imports among its own modules are relative, and its ``__init__``
+    loads them on first use under its own name, so that every module of it
+    is a second copy (``name.collectives``, ...) with its own state.
+    """
+    package = os.path.join(os.path.abspath(directory), "ferrompi")
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(package, "__init__.py"), submodule_search_locations=[package]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------------------
 # the calls under test: op -> builder(nbytes) -> {impl: zero-argument callable}
 # ---------------------------------------------------------------------------
 
 
 class Calls:
-    """Builds, for one operation and size, the callable of each implementation."""
+    """Builds, for one operation and size, the callable of each implementation.
 
-    def __init__(self, world: fm.MPIBackend, dist) -> None:
+    Each builder (``_allreduce``, ...) makes its ferrompi call from a
+    factory of the package and its world backend, ``lambda pkg, w: lambda:
+    pkg.allreduce(x, w, out=out)``, which :meth:`_ferrompi` calls once per
+    package: ``ferrompi``, and ``baseline`` when one is given (the same call,
+    on the same arrays, through the package of ``--baseline``).
+    """
+
+    def __init__(self, world: fm.MPIBackend, dist, baseline=None) -> None:
         self.world = world
+        # (implementation, package, its world backend): ferrompi, then the baseline if any
+        self.packages = [("ferrompi", fm, world)]
+        if baseline is not None:
+            self.packages.append(("baseline", *baseline))
         self.comm = world.comm
         self.p = world.world_size
         self.rank = world.rank
@@ -146,6 +195,10 @@ class Calls:
         out = np.zeros(elements if out_elements is None else out_elements, np.float32)
         self.inputs.append(x)
         return x, out
+
+    def _ferrompi(self, make) -> dict:
+        """``{implementation: make(package, world)}`` for ferrompi and the baseline (if any)."""
+        return {name: make(pkg, w) for name, pkg, w in self.packages}
 
     def _tensor(self, a: np.ndarray):
         import torch
@@ -163,11 +216,9 @@ class Calls:
 
     def _allreduce(self, nbytes):
         x, out = self._arrays(max(1, nbytes // 4))
-        w, c = self.world, self.comm
-        calls = {
-            "ferrompi": lambda: fm.allreduce(x, w, out=out),
-            "mpi4py": lambda: c.Allreduce(x, out, MPI.SUM),
-        }
+        c = self.comm
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.allreduce(x, w, out=out))
+        calls["mpi4py"] = lambda: c.Allreduce(x, out, MPI.SUM)
         if self.dist:
             t = self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_reduce(t)
@@ -191,11 +242,9 @@ class Calls:
             cp.cuda.get_current_stream().synchronize()
             c.Allreduce(dx, dout, MPI.SUM)
 
-        calls = {
-            "ferrompi": lambda: fm.allreduce(x, w, out=out),
-            "mpi4py": lambda: c.Allreduce(x, out, MPI.SUM),
-            "cupy staged": on_device(False),
-        }
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.allreduce(x, w, out=out))
+        calls["mpi4py"] = lambda: c.Allreduce(x, out, MPI.SUM)
+        calls["cupy staged"] = on_device(False)
         if self.gpu_direct:
             calls["cupy CUDA-aware"] = on_device(True)
             calls["mpi4py cupy"] = raw
@@ -203,11 +252,9 @@ class Calls:
 
     def _async_allreduce(self, nbytes):
         x, out = self._arrays(max(1, nbytes // 4))
-        w, c = self.world, self.comm
-        calls = {
-            "ferrompi": lambda: fm.async_allreduce(x, w, out=out).wait(),
-            "mpi4py": lambda: c.Iallreduce(x, out, MPI.SUM).Wait(),
-        }
+        c = self.comm
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.async_allreduce(x, w, out=out).wait())
+        calls["mpi4py"] = lambda: c.Iallreduce(x, out, MPI.SUM).Wait()
         if self.dist:
             t = self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_reduce(t, async_op=True).wait()
@@ -215,17 +262,15 @@ class Calls:
 
     def _broadcast(self, nbytes, asynchronous=False):
         x, _ = self._arrays(max(1, nbytes // 4))
-        w, c = self.world, self.comm
+        c = self.comm
         if asynchronous:
-            calls = {
-                "ferrompi": lambda: fm.async_broadcast(x, w, root=0, out=x).wait(),
-                "mpi4py": lambda: c.Ibcast(x, 0).Wait(),
-            }
+            calls = self._ferrompi(
+                lambda pkg, w: lambda: pkg.async_broadcast(x, w, root=0, out=x).wait()
+            )
+            calls["mpi4py"] = lambda: c.Ibcast(x, 0).Wait()
         else:
-            calls = {
-                "ferrompi": lambda: fm.broadcast(x, w, root=0, out=x),
-                "mpi4py": lambda: c.Bcast(x, 0),
-            }
+            calls = self._ferrompi(lambda pkg, w: lambda: pkg.broadcast(x, w, root=0, out=x))
+            calls["mpi4py"] = lambda: c.Bcast(x, 0)
         if self.dist:
             t = self._tensor(x)
             if asynchronous:
@@ -240,17 +285,15 @@ class Calls:
     def _all_gather(self, nbytes, asynchronous=False):
         n = max(1, nbytes // 4)
         x, out = self._arrays(n, n * self.p)
-        w, c = self.world, self.comm
+        c = self.comm
         if asynchronous:
-            calls = {
-                "ferrompi": lambda: fm.async_all_gather(x, w, out=out).wait(),
-                "mpi4py": lambda: c.Iallgather(x, out).Wait(),
-            }
+            calls = self._ferrompi(
+                lambda pkg, w: lambda: pkg.async_all_gather(x, w, out=out).wait()
+            )
+            calls["mpi4py"] = lambda: c.Iallgather(x, out).Wait()
         else:
-            calls = {
-                "ferrompi": lambda: fm.all_gather(x, w, out=out),
-                "mpi4py": lambda: c.Allgather(x, out),
-            }
+            calls = self._ferrompi(lambda pkg, w: lambda: pkg.all_gather(x, w, out=out))
+            calls["mpi4py"] = lambda: c.Allgather(x, out)
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             gather = self.dist.all_gather_into_tensor
@@ -266,17 +309,15 @@ class Calls:
     def _reduce_scatter(self, nbytes, asynchronous=False):
         n = self._split_elements(nbytes)
         x, out = self._arrays(n, n // self.p)
-        w, c = self.world, self.comm
+        c = self.comm
         if asynchronous:
-            calls = {
-                "ferrompi": lambda: fm.async_reduce_scatter(x, w, out=out).wait(),
-                "mpi4py": lambda: c.Ireduce_scatter_block(x, out, MPI.SUM).Wait(),
-            }
+            calls = self._ferrompi(
+                lambda pkg, w: lambda: pkg.async_reduce_scatter(x, w, out=out).wait()
+            )
+            calls["mpi4py"] = lambda: c.Ireduce_scatter_block(x, out, MPI.SUM).Wait()
         else:
-            calls = {
-                "ferrompi": lambda: fm.reduce_scatter(x, w, out=out),
-                "mpi4py": lambda: c.Reduce_scatter_block(x, out, MPI.SUM),
-            }
+            calls = self._ferrompi(lambda pkg, w: lambda: pkg.reduce_scatter(x, w, out=out))
+            calls["mpi4py"] = lambda: c.Reduce_scatter_block(x, out, MPI.SUM)
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             rs = self.dist.reduce_scatter_tensor
@@ -292,17 +333,15 @@ class Calls:
     def _all_to_all(self, nbytes, asynchronous=False):
         n = self._split_elements(nbytes)
         x, out = self._arrays(n)
-        w, c = self.world, self.comm
+        c = self.comm
         if asynchronous:
-            calls = {
-                "ferrompi": lambda: fm.async_all_to_all(x, w, out=out).wait(),
-                "mpi4py": lambda: c.Ialltoall(x, out).Wait(),
-            }
+            calls = self._ferrompi(
+                lambda pkg, w: lambda: pkg.async_all_to_all(x, w, out=out).wait()
+            )
+            calls["mpi4py"] = lambda: c.Ialltoall(x, out).Wait()
         else:
-            calls = {
-                "ferrompi": lambda: fm.all_to_all(x, w, out=out),
-                "mpi4py": lambda: c.Alltoall(x, out),
-            }
+            calls = self._ferrompi(lambda pkg, w: lambda: pkg.all_to_all(x, w, out=out))
+            calls["mpi4py"] = lambda: c.Alltoall(x, out)
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             a2a = self.dist.all_to_all_single
@@ -321,13 +360,13 @@ class Calls:
         send = [((r + j) % 3 + 1) * unit for j in range(p)]
         recv = [((j + r) % 3 + 1) * unit for j in range(p)]
         x, out = self._arrays(sum(send), sum(recv))
-        w, c = self.world, self.comm
+        c = self.comm
         sd = np.concatenate(([0], np.cumsum(send)[:-1]))
         rd = np.concatenate(([0], np.cumsum(recv)[:-1]))
-        calls = {
-            "ferrompi": lambda: fm.all_to_all_single_uneven(x, send, recv, w, out=out),
-            "mpi4py": lambda: c.Alltoallv([x, (send, sd)], [out, (recv, rd)]),
-        }
+        calls = self._ferrompi(
+            lambda pkg, w: lambda: pkg.all_to_all_single_uneven(x, send, recv, w, out=out)
+        )
+        calls["mpi4py"] = lambda: c.Alltoallv([x, (send, sd)], [out, (recv, rd)])
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_to_all_single(tout, tx, recv, send)
@@ -340,11 +379,11 @@ class Calls:
         else:
             dst, src = (r + 1) % p, (r - 1) % p
         x, out = self._arrays(max(1, nbytes // 4))
-        w, c = self.world, self.comm
-        calls = {
-            "ferrompi": lambda: fm.sendrecv(x, out.shape, dst, w, source=src, out=out),
-            "mpi4py": lambda: c.Sendrecv(x, dst, 0, out, src, 0),
-        }
+        c = self.comm
+        calls = self._ferrompi(
+            lambda pkg, w: lambda: pkg.sendrecv(x, out.shape, dst, w, source=src, out=out)
+        )
+        calls["mpi4py"] = lambda: c.Sendrecv(x, dst, 0, out, src, 0)
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             dist = self.dist
@@ -375,11 +414,9 @@ class Calls:
             for a, o in pairs:
                 c.Allreduce(a, o, MPI.SUM)
 
-        calls = {
-            "ferrompi": lambda: fm.allreduce_coalesced(xs, w, out=outs),
-            "ferrompi 100 calls": separate_fm,
-            "mpi4py 100 calls": separate_raw,
-        }
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.allreduce_coalesced(xs, w, out=outs))
+        calls["ferrompi 100 calls"] = separate_fm
+        calls["mpi4py 100 calls"] = separate_raw
         if self.dist:
             ts = [self._tensor(o) for o in outs]
             calls["gloo"] = lambda: self.dist.all_reduce_coalesced(ts)
@@ -465,8 +502,13 @@ def measure(comm, calls: dict, reps: int, block_s: float) -> dict[str, list[floa
     along the list each time, so that none always follows the same one:
     the first calls after a block of gloo calls are slow (ferrompi's 1 KiB
     sendrecv took 0.3-1.7 ms for its first calls after gloo's, 7-8 us later).
+    ``baseline`` makes as many calls per block as ``ferrompi`` (not calibrated
+    apart), so that the two blocks of a pair differ only in the code called.
     """
-    counts = {name: calibrate(comm, call, block_s) for name, call in calls.items()}
+    counts: dict[str, int] = {}
+    for name, call in calls.items():
+        same = name == "baseline" and "ferrompi" in counts
+        counts[name] = counts["ferrompi"] if same else calibrate(comm, call, block_s)
     samples: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for rep in range(reps):
@@ -609,31 +651,68 @@ def probe_line(when: str, probe: dict[str, float] | None) -> str:
     )
 
 
-def added_time(row: dict) -> float | None:
-    """The median over repetitions of ferrompi's sample minus mpi4py's (seconds), or None."""
+def added_time(row: dict, than: str = "mpi4py") -> float | None:
+    """The median over repetitions of ferrompi's sample minus ``than``'s (seconds), or None."""
     samples = row["samples"]
-    if "ferrompi" not in samples or "mpi4py" not in samples:
+    if "ferrompi" not in samples or than not in samples:
         return None
-    pairs = zip(samples["ferrompi"], samples["mpi4py"], strict=True)
+    pairs = zip(samples["ferrompi"], samples[than], strict=True)
     return statistics.median(f - m for f, m in pairs)
+
+
+def fmt_added(seconds: float | None, width: int) -> str:
+    """A paired difference in microseconds with its sign, right-aligned in ``width``; or '-'."""
+    return f"{'-':>{width}}" if seconds is None else f"{seconds * 1e6:+{width - 3}.1f} us"
 
 
 def table(results: list[dict], impls: list[str]) -> str:
     lines = []
     head = f"{'op':<22}{'size':>10}" + "".join(f"{name:>20}" for name in impls)
     head += f"{'ferrompi/mpi4py':>17}{'gloo/ferrompi':>15}{'ferrompi-mpi4py':>17}"
+    baseline = "baseline" in impls
+    if baseline:
+        head += f"{'ferrompi/baseline':>19}{'ferrompi-baseline':>19}"
     lines.append(head)
     for row in results:
-        added = added_time(row)
-        paired = f"{'-':>17}" if added is None else f"{added * 1e6:+14.1f} us"
+        paired = fmt_added(added_time(row), 17)
         med = {k: v["median"] for k, v in row["stats"].items()}
         cells = "".join(f"{fmt_time(med[name]) if name in med else '-':>20}" for name in impls)
         fm_med = med.get("ferrompi")
         raw = med.get("mpi4py") or med.get("mpi4py 100 calls")
         ratio = f"{fm_med / raw:17.2f}" if fm_med and raw else f"{'-':>17}"
         gloo = f"{med['gloo'] / fm_med:15.1f}" if "gloo" in med and fm_med else f"{'-':>15}"
-        lines.append(f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}{paired}")
+        line = f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}{paired}"
+        if baseline:
+            base = med.get("baseline")
+            line += f"{fm_med / base:19.3f}" if fm_med and base else f"{'-':>19}"
+            line += fmt_added(added_time(row, "baseline"), 19)
+        lines.append(line)
     return "\n".join(lines)
+
+
+def baseline_report(results: list[dict], directory: str, limit: float = 1.05) -> list[str]:
+    """ferrompi against ``--baseline``: how many rows have ``ferrompi/baseline`` above
+    ``limit``, and the five highest ratios with their paired differences.
+
+    Empty when no row measured the baseline.
+    """
+    rows = [r for r in results if {"ferrompi", "baseline"} <= r["stats"].keys()]
+    if not rows:
+        return []
+    ratios = [
+        (r["stats"]["ferrompi"]["median"] / r["stats"]["baseline"]["median"], r) for r in rows
+    ]
+    ratios.sort(key=lambda item: item[0], reverse=True)
+    above = sum(ratio > limit for ratio, _ in ratios)
+    lines = [
+        f"against the baseline ({directory}): ferrompi/baseline above {limit:g} "
+        f"in {above} of {len(rows)} rows",
+        "  highest ferrompi/baseline, with the paired ferrompi-baseline:",
+    ]
+    for ratio, r in ratios[:5]:
+        what = f"{r['op']} {human(r['bytes'])}"
+        lines.append(f"    {what:<32}{ratio:7.3f}{fmt_added(added_time(r, 'baseline'), 14)}")
+    return lines
 
 
 def _verdict(
@@ -727,7 +806,7 @@ def plot(results: list[dict], directory: str, nranks: int) -> list[str]:
     for op in ops:
         rows = [r for r in results if r["op"] == op]
         fig, (lat, bw) = plt.subplots(1, 2, figsize=(11, 4))
-        for impl in IMPLS:
+        for impl in (*IMPLS, "baseline"):
             points = [(r["bytes"], r["stats"][impl]["median"]) for r in rows if impl in r["stats"]]
             if not points:
                 continue
@@ -770,6 +849,13 @@ def main(argv: list[str] | None = None) -> int:
         help="write the inputs before every call (as a training step does), and time that alone",
     )
     parser.add_argument("--memory", action="store_true", help="peak memory of a 64 MiB allreduce")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="also time each ferrompi call through DIR/ferrompi (e.g. a clone of an earlier "
+        "commit), interleaved, and compare",
+    )
     parser.add_argument("--json", default=None, help="write every sample to this file")
     parser.add_argument("--plot", default=None, help="write PNG plots into this folder")
     args = parser.parse_args(argv)
@@ -785,9 +871,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # every rank stops here, before measuring, rather than rank 0 after the run
         parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "ferrompi", "__init__.py")):
+        parser.error(f"--baseline {args.baseline}: no ferrompi/__init__.py there")
 
     world = fm.init()
     fm.install_excepthook()  # a rank that fails (e.g. rank 0 reporting) ends the job, not hangs it
+    baseline = None
+    if args.baseline:
+        package = load_baseline(args.baseline)
+        baseline = (package, package.init())  # its own world backend, on COMM_WORLD too
     comm = world.comm.Dup()  # the raw calls' communicator (same ranks)
     dist = None
     if not args.no_torch:
@@ -804,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             torch.set_num_threads(1)
             dist = dist_module
-    calls = Calls(world, dist)
+    calls = Calls(world, dist, baseline)
     if "allreduce_cupy" in ops:
         reason = gpu_unavailable(comm)
         if reason is not None:
@@ -823,6 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{MPI.Get_library_version().splitlines()[0].strip()}, "
         f"torch {torch_version}"
         + (", inputs rewritten before every call" if args.rewrite_inputs else "")
+        + (f", baseline {os.path.abspath(args.baseline)}" if args.baseline else "")
     )
     probes = {"before": cache_probe(comm)}
     if world.rank == 0:
@@ -856,6 +949,10 @@ def main(argv: list[str] | None = None) -> int:
         impls = list(dict.fromkeys(k for r in results for k in r["stats"]))
         print()
         print(table(results, impls))
+        against = baseline_report(results, os.path.abspath(args.baseline)) if baseline else []
+        if against:
+            print()
+            print("\n".join(against))
         report = target_report(results)
         if report:
             print()
@@ -865,12 +962,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, mib in memory.items():
                 print(f"  {name:<32}{mib:8.1f} MiB")
         if args.json:
+            record = {"header": header, "cache_probe": probes, "results": results, "memory": memory}
+            if args.baseline:  # the rows' "baseline" samples are the code of this directory
+                record["baseline"] = os.path.abspath(args.baseline)
             with open(args.json, "w") as f:
-                json.dump(
-                    {"header": header, "cache_probe": probes, "results": results, "memory": memory},
-                    f,
-                    indent=1,
-                )
+                json.dump(record, f, indent=1)
         if args.plot:
             os.makedirs(args.plot, exist_ok=True)
             for path in plot(results, args.plot, world.world_size):

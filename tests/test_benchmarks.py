@@ -1,5 +1,6 @@
-"""The benchmark's report of the performance targets, on results with known numbers,
-and the plain-loop cross-check (``benchmarks/loops.py``) run for real.
+"""The benchmark's reports of the performance targets and of a ``--baseline``
+comparison, on results with known numbers; ``run.py --baseline`` and the
+plain-loop cross-check (``benchmarks/loops.py``) run for real.
 
 (The benchmark itself runs in CI: ``benchmarks/run.py --quick --check``.)
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -59,6 +61,81 @@ def test_targets_report_only_what_was_measured():
         "targets (issue 5; docs/performance.md):",
         "  ferrompi/mpi4py <= 1.05 from 64 KiB: 1 of 1 met",
     ]
+
+
+def test_baseline_report_counts_the_rows_above_1_05_and_shows_the_five_highest():
+    results = [
+        row("allreduce", 4, ferrompi=[4.0, 4.4, 5.0], baseline=[4.0, 4.0, 4.0], mpi4py=[2.0] * 3),
+        row("allreduce", KiB, ferrompi=[5.0] * 3, baseline=[5.0] * 3),
+        row("broadcast", 4, ferrompi=[3.0] * 3, baseline=[3.3] * 3),
+        row("broadcast", KiB, ferrompi=[6.0] * 3, baseline=[5.0] * 3),
+        row("sendrecv", 4, ferrompi=[2.0] * 3, baseline=[2.0] * 3),
+        row("sendrecv", KiB, ferrompi=[2.08] * 3, baseline=[2.0] * 3),
+        row("allreduce", MiB, ferrompi=[100.0] * 3, mpi4py=[90.0] * 3),  # no baseline: left out
+    ]
+    assert run.baseline_report(results, "/tmp/before") == [
+        "against the baseline (/tmp/before): ferrompi/baseline above 1.05 in 2 of 6 rows",
+        "  highest ferrompi/baseline, with the paired ferrompi-baseline:",
+        "    broadcast 1 KiB                   1.200       +1.0 us",
+        "    allreduce 4 B                     1.100       +0.4 us",
+        "    sendrecv 1 KiB                    1.040       +0.1 us",
+        "    allreduce 1 KiB                   1.000       +0.0 us",
+        "    sendrecv 4 B                      1.000       +0.0 us",
+    ]
+    assert run.baseline_report(results[-1:], "/tmp/before") == []
+    # without a baseline, the table keeps its columns
+    impls = ["ferrompi", "mpi4py"]
+    head = run.table(results[-1:], impls).splitlines()[0]
+    columns = ["op", "size", *impls, "ferrompi/mpi4py", "gloo/ferrompi", "ferrompi-mpi4py"]
+    assert head.split() == columns
+
+
+def parse_time(cell: str) -> tuple[float, float]:
+    """A median as the table prints it (``12.3 us``, ``1.23 ms``): microseconds, and the
+    half-width of its rounding."""
+    value, unit = cell.split()
+    return (float(value), 0.05) if unit == "us" else (float(value) * 1e3, 5.0)
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable}")
+def test_baseline_option_times_the_repository_against_itself(tmp_path):
+    """run.py --baseline with the repository itself as the baseline (the same code
+    loaded twice): every row has a baseline median, its ferrompi/baseline ratio
+    agrees with the printed medians, the summary follows, the JSON holds the
+    baseline samples. Timings are not checked (the machines are shared)."""
+    out = tmp_path / "run.json"
+    args = ("--baseline", str(ROOT), "--ops", "allreduce,sendrecv", "--sizes", "4,1KiB")
+    args += ("--reps", "3", "--block-ms", "2", "--no-torch", "--json", str(out))
+    output = run_under_mpiexec(ROOT / "benchmarks" / "run.py", 2, *args)
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    names = lines[start].split()
+    medians = ["ferrompi", "baseline", "mpi4py"]
+    compared = ["ferrompi/mpi4py", "gloo/ferrompi", "ferrompi-mpi4py"]
+    assert names == ["op", "size", *medians, *compared, "ferrompi/baseline", "ferrompi-baseline"]
+    # cells are two or more spaces apart (a time is "12.3 us", one space inside)
+    end = lines.index("", start)
+    rows = [
+        dict(zip(names, re.split(r"\s{2,}", line), strict=True)) for line in lines[start + 1 : end]
+    ]
+    assert [(r["op"], r["size"]) for r in rows] == [
+        (op, size) for op in ("allreduce", "sendrecv") for size in ("4 B", "1 KiB")
+    ]
+    ratios = []
+    for r in rows:
+        (mine, e1), (theirs, e2) = parse_time(r["ferrompi"]), parse_time(r["baseline"])
+        ratio = float(r["ferrompi/baseline"])
+        lowest, highest = (mine - e1) / (theirs + e2), (mine + e1) / (theirs - e2)
+        assert lowest - 0.0005 <= ratio <= highest + 0.0005, r
+        assert r["ferrompi-baseline"].endswith(" us"), r
+        float(r["ferrompi-baseline"].split()[0])
+        ratios.append(ratio)
+    summary = next(line for line in lines if line.startswith("against the baseline"))
+    above = int(re.search(r"above 1.05 in (\d+) of 4 rows", summary).group(1))
+    assert sum(x > 1.0505 for x in ratios) <= above <= sum(x >= 1.0495 for x in ratios)
+    record = json.loads(out.read_text())
+    assert record["baseline"] == str(ROOT)
+    assert [len(r["samples"]["baseline"]) for r in record["results"]] == [3] * 4
 
 
 model_spec = importlib.util.spec_from_file_location("bench_model", ROOT / "benchmarks" / "model.py")
