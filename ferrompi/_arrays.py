@@ -1,22 +1,30 @@
-"""Input and output arrays of collectives: contiguity, dtypes, ``out=`` checks, devices.
+"""Arrays of each kind an operation accepts, handled by one small adapter per kind.
 
-Contiguous native-order numpy inputs pass through untouched (zero copies);
-anything else is made contiguous once. Outputs are fresh arrays, or the
-caller's ``out``: written directly when it is C-contiguous, through one
-temporary otherwise.
+An operation decides its input's kind once, at entry (:func:`kind_of`), and
+from then on asks that kind's adapter (:class:`ArrayKind`) for what depends
+on it: the buffer MPI reads (:meth:`~ArrayKind.input`), a result like the
+input (:meth:`~ArrayKind.new_output`), the caller's ``out`` checked and its
+buffer (:meth:`~ArrayKind.take_out`), and the copy of a staged result back
+(:meth:`~ArrayKind.copy_into`). A new kind of array is one new adapter.
 
-Device arrays (cupy, or any object with ``__cuda_array_interface__``) are
-handled here, at the boundary, so that every collective has one
-implementation: :func:`as_input` hands MPI the device array itself when the
-MPI library is CUDA-aware, else a pinned host copy; :func:`output` allocates
-a cupy result on the input's device, with a pinned host buffer for MPI to
-write when staging, and :func:`copy_into` (the finish step) copies that
-buffer to the device. Before MPI touches a device buffer, the streams that
-may still use it are synchronised (``docs/gpu.md``: the stream rule).
+* :data:`HOST`: numpy arrays, and anything ``numpy.asarray`` takes.
+  Contiguous native-order inputs pass through untouched (zero copies);
+  anything else is made contiguous once. A caller's ``out`` is written
+  directly when it is C-contiguous, through one temporary otherwise.
+* :data:`DEVICE`: cupy arrays, or any object with
+  ``__cuda_array_interface__``. MPI gets the device array itself when it is
+  CUDA-aware, else a pinned host copy (:func:`staged`); results are cupy
+  arrays on the input's device, with a pinned host buffer for MPI to write
+  when staging. Before MPI touches a device buffer, the streams that may
+  still use it are synchronised (``docs/gpu.md``: the stream rule).
+
+Plain numpy arrays also have fast paths that skip the adapter altogether
+(:func:`plain_pair`, :func:`plain_in_place`).
 """
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import math
 import threading
@@ -37,9 +45,7 @@ _CAI = "__cuda_array_interface__"
 #: pool. glibc gives blocks from 32 MiB (and often from 128 KiB) straight from
 #: the kernel with ``mmap`` and hands them back on ``free``: every new large
 #: result then pays a page fault per page (or per 2 MiB huge page), the kernel
-#: zeroing it, before MPI can write it. A 64 MiB broadcast into a new array
-#: took 1.6-2.5x the time of one into an existing array, an all-gather of
-#: 16 MiB per rank into a new 32 MiB array 1.7x (2 ranks, docs/performance.md).
+#: zeroing it, before MPI can write it (docs/performance.md, "New large results").
 POOL_FROM = 8 << 20
 
 #: Most bytes of idle blocks the pool keeps, and most idle blocks of one size.
@@ -111,16 +117,6 @@ def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return _POOL.empty(shape, dtype, count)
 
 
-def is_device(x) -> bool:
-    """True for a GPU array (an object with ``__cuda_array_interface__``)."""
-    return type(x) is not _ndarray and hasattr(x, _CAI)
-
-
-def array_module(x):
-    """``numpy``, or ``cupy`` for a device array: the functions that work on ``x``."""
-    return gpu.cupy_module("array_module") if is_device(x) else np
-
-
 def staged(comm) -> bool:
     """Whether device buffers for ``comm`` go through host memory.
 
@@ -130,53 +126,253 @@ def staged(comm) -> bool:
     return type(comm) is SimComm or not gpu.cuda_aware()
 
 
-def as_input(x, op: str, comm=None):
-    """Return ``x`` as a C-contiguous array of native byte order.
+def _numeric(dtype: np.dtype, op: str) -> None:
+    if dtype.kind not in "biufc":
+        raise InvalidArgument(f"{op}: dtype {dtype} is not supported (numeric or bool only)")
 
-    Parameters
+
+def _mismatch(out, shape: tuple[int, ...], dtype: np.dtype, op: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{op}: out has shape {out.shape} and dtype {out.dtype}; "
+        f"expected shape {shape} and dtype {dtype}"
+    )
+
+
+def _not_an_array(out, op: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"{op}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
+    )
+
+
+class ArrayKind(abc.ABC):
+    """How operations handle one kind of array (:data:`HOST`, :data:`DEVICE`).
+
+    Attributes
     ----------
-    x : array_like
-        A numpy array, anything ``numpy.asarray`` takes, or a device array.
-    op : str
-        The operation, for error messages.
-    comm : optional
-        The communicator the array is for. Without it, a device array comes
-        back as a C-contiguous cupy array on its device. With it, the streams
-        that may still write a device array are synchronised, and it comes
-        back as a C-contiguous cupy array if MPI takes device buffers on
-        ``comm``, else as a copy in pinned host memory (:func:`staged`).
+    on_host : bool
+        Whether arrays of this kind live in host memory.
     """
-    if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative:
-        return x
-    if hasattr(x, _CAI):
-        return _device_input(x, op, comm)
-    try:
-        arr = np.asarray(x)
-    except Exception as exc:  # ragged lists and the like
-        raise InvalidArgument(f"{op}: input is not an array: {exc}") from None
-    if arr.dtype.kind not in "biufc":
-        raise InvalidArgument(f"{op}: dtype {arr.dtype} is not supported (numeric or bool only)")
-    if not arr.dtype.isnative:
-        return arr.astype(arr.dtype.newbyteorder("="), order="C")
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+    __slots__ = ()
+    on_host = True
+
+    @abc.abstractmethod
+    def module(self, op: str):
+        """The array module of this kind (``numpy``, ``cupy``)."""
+
+    @abc.abstractmethod
+    def input(self, x, op: str, comm=None):
+        """``x`` as the C-contiguous, native-order buffer an operation hands MPI.
+
+        Parameters
+        ----------
+        x
+            An array of this kind.
+        op : str
+            The operation, for error messages.
+        comm : optional
+            The communicator the buffer is for; without it, the array is
+            only made contiguous (no MPI call follows).
+
+        Raises
+        ------
+        InvalidArgument
+            If ``x`` is not an array of a supported dtype.
+        """
+
+    @abc.abstractmethod
+    def new_output(self, like, shape: tuple[int, ...], dtype: np.dtype, op: str, comm=None):
+        """``(result, buffer, self)``: a new result of this kind, like the input ``like``.
+
+        ``buffer`` is where MPI writes; when it is not ``result``, the
+        operation copies it into ``result`` on completion (:meth:`copy_into`).
+        """
+
+    @abc.abstractmethod
+    def take_out(self, out, shape: tuple[int, ...], dtype: np.dtype, op: str, comm=None):
+        """``(out, buffer, self)`` for the caller's ``out`` of this kind, once it is checked.
+
+        Raises
+        ------
+        InvalidArgument
+            If ``out`` is not a writable array of this kind of exactly
+            ``shape`` and ``dtype``.
+        """
+
+    @abc.abstractmethod
+    def check_out(self, out, shape: tuple[int, ...], dtype: np.dtype, op: str):
+        """Return ``out`` if it can receive a result of ``shape`` and ``dtype``, else raise."""
+
+    @abc.abstractmethod
+    def copy_into(self, dst, src) -> None:
+        """Copy ``src`` (a host array, or one of this kind) into ``dst``, of this kind.
+
+        Returns once the data is there.
+        """
 
 
-def _device_input(x, op: str, comm):
-    arr = gpu.as_cupy(x, op)
-    if arr.dtype.kind not in "biufc":
-        raise InvalidArgument(f"{op}: dtype {arr.dtype} is not supported (numeric or bool only)")
-    if comm is not None:
-        gpu.wait_for_producers(x)
+class _Host(ArrayKind):
+    """numpy arrays, and what ``numpy.asarray`` takes."""
+
+    __slots__ = ()
+
+    def module(self, op: str):
+        return np
+
+    def input(self, x, op: str, comm=None):
+        if type(x) is _ndarray and x.flags.c_contiguous and x.dtype.isnative:
+            return x
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:  # ragged lists and the like
+            raise InvalidArgument(f"{op}: input is not an array: {exc}") from None
+        _numeric(arr.dtype, op)
+        if not arr.dtype.isnative:
+            return arr.astype(arr.dtype.newbyteorder("="), order="C")
+        return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+    def new_output(self, like, shape, dtype, op, comm=None):
+        result = host_empty(shape, dtype)
+        return result, result, self
+
+    def take_out(self, out, shape, dtype, op, comm=None):
+        if not isinstance(out, _ndarray):
+            raise _not_an_array(out, op)
+        flags = out.flags
+        if out.shape != shape or out.dtype != dtype or not flags.writeable:
+            self.check_out(out, shape, dtype, op)  # raises, saying which
+        if flags.c_contiguous:
+            return out, out, self
+        return out, host_empty(shape, dtype), self
+
+    def check_out(self, out, shape, dtype, op):
+        if not isinstance(out, _ndarray):
+            raise _not_an_array(out, op)
+        if out.shape != shape or out.dtype != dtype:
+            raise _mismatch(out, shape, dtype, op)
+        if not out.flags.writeable:
+            raise InvalidArgument(f"{op}: out is read-only")
+        return out
+
+    def copy_into(self, dst, src) -> None:
+        if isinstance(src, _ndarray):
+            dst[...] = src  # a third of np.copyto's time for small arrays
+        else:
+            gpu.to_host(src, dst)
+
+
+class _Device(ArrayKind):
+    """cupy arrays, and other objects with ``__cuda_array_interface__`` (cupy views of them)."""
+
+    __slots__ = ()
+    on_host = False
+
+    def module(self, op: str):
+        return gpu.cupy_module(op)
+
+    def input(self, x, op: str, comm=None):
+        arr = gpu.as_cupy(x, op)
+        _numeric(arr.dtype, op)
+        if comm is not None:
+            gpu.wait_for_producers(x)
+            if staged(comm):
+                host = gpu.pinned_pool().empty(arr.shape, arr.dtype)
+                gpu.to_host(arr, host)
+                return host
+        if not arr.flags.c_contiguous:
+            with arr.device:
+                arr = arr.copy(order="C")
+        if comm is not None:
+            gpu.sync_current(arr)
+        return arr
+
+    def new_output(self, like, shape, dtype, op, comm=None):
+        result = gpu.device_empty(shape, dtype, gpu.as_cupy(like, op))
+        return self._buffer(result, shape, dtype, comm)
+
+    def take_out(self, out, shape, dtype, op, comm=None):
+        return self._buffer(self.check_out(out, shape, dtype, op), shape, dtype, comm)
+
+    def check_out(self, out, shape, dtype, op):
+        if not isinstance(out, gpu.cupy_module(op).ndarray):
+            raise _not_an_array(out, op)
+        if out.shape != shape or out.dtype != dtype:
+            raise _mismatch(out, shape, dtype, op)
+        return out
+
+    def _buffer(self, result, shape, dtype, comm):
+        """``(result, buffer, self)``: where MPI writes the device ``result`` on ``comm``."""
         if staged(comm):
-            host = gpu.pinned_pool().empty(arr.shape, arr.dtype)
-            gpu.to_host(arr, host)
-            return host
-    if not arr.flags.c_contiguous:
-        with arr.device:
-            arr = arr.copy(order="C")
-    if comm is not None:
-        gpu.sync_current(arr)
-    return arr
+            return result, gpu.pinned_pool().empty(shape, dtype), self
+        buf = result if result.flags.c_contiguous else gpu.device_empty(shape, dtype, result)
+        gpu.sync_current(buf)
+        return result, buf, self
+
+    def copy_into(self, dst, src) -> None:
+        if isinstance(src, _ndarray):
+            gpu.to_device(src, dst)
+        else:
+            with dst.device:
+                dst[...] = src
+
+
+#: numpy arrays and what ``numpy.asarray`` takes.
+HOST = _Host()
+
+#: Device arrays: cupy, or any object with ``__cuda_array_interface__``.
+DEVICE = _Device()
+
+
+def kind_of(x) -> ArrayKind:
+    """The adapter of ``x``'s kind: :data:`DEVICE` for device arrays, else :data:`HOST`."""
+    return HOST if type(x) is _ndarray or not hasattr(x, _CAI) else DEVICE
+
+
+def as_input(x, op: str, comm=None):
+    """``x`` as MPI's buffer: :meth:`ArrayKind.input` of its kind."""
+    return kind_of(x).input(x, op, comm)
+
+
+def output(kind: ArrayKind, like, out, shape: tuple[int, ...], dtype: np.dtype, op: str, comm=None):
+    """``(result, buffer, result's kind)`` of an operation whose input ``like`` is of ``kind``.
+
+    The result is a new array like the input, or the caller's ``out`` (of
+    its own kind, which may differ from the input's); MPI writes ``buffer``,
+    which the operation copies into the result on completion when they
+    differ (``result's kind.copy_into``).
+
+    Raises
+    ------
+    InvalidArgument
+        If ``out`` is not a writable array of exactly ``shape`` and ``dtype``.
+    """
+    if out is None:
+        return kind.new_output(like, shape, dtype, op, comm)
+    if type(out) is _ndarray and out.shape == shape and out.dtype == dtype:
+        flags = out.flags  # a plain numpy out that fits: the host kind's check, inline
+        if flags.writeable and flags.c_contiguous:
+            return out, out, HOST
+    return kind_of(out).take_out(out, shape, dtype, op, comm)
+
+
+def check_out(out, shape: tuple[int, ...], dtype: np.dtype, op: str):
+    """Return ``out`` (of any kind) if it can receive a result of ``shape`` and ``dtype``."""
+    return kind_of(out).check_out(out, shape, dtype, op)
+
+
+def copy_into(dst, src) -> None:
+    """Copy ``src`` into ``dst``, host or device, either way; returns once it is there."""
+    kind_of(dst).copy_into(dst, src)
+
+
+def is_device(x) -> bool:
+    """True for a device array (an object with ``__cuda_array_interface__``)."""
+    return not kind_of(x).on_host
+
+
+def array_module(x):
+    """``numpy``, or ``cupy`` for a device array: the functions that work on ``x``."""
+    return kind_of(x).module("array_module")
 
 
 def datatype_of(arr, op: str):
@@ -218,82 +414,6 @@ def plain_in_place(x: np.ndarray):
     if flags.c_contiguous and flags.writeable and x.dtype.isnative:
         return DATATYPES.get(x.dtype)
     return None
-
-
-def check_out(out, shape: tuple[int, ...], dtype: np.dtype, op: str):
-    """Return ``out`` if it can receive a result of ``shape`` and ``dtype``.
-
-    Raises
-    ------
-    InvalidArgument
-        If ``out`` is not a writable numpy array or a cupy array of exactly
-        ``shape`` and ``dtype``.
-    """
-    if not isinstance(out, _ndarray):
-        if not is_device(out) or not isinstance(out, gpu.cupy_module(op).ndarray):
-            raise InvalidArgument(
-                f"{op}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
-            )
-    if out.shape != shape or out.dtype != dtype:
-        raise InvalidArgument(
-            f"{op}: out has shape {out.shape} and dtype {out.dtype}; "
-            f"expected shape {shape} and dtype {dtype}"
-        )
-    if isinstance(out, _ndarray) and not out.flags.writeable:
-        raise InvalidArgument(f"{op}: out is read-only")
-    return out
-
-
-def output(out, shape: tuple[int, ...], dtype: np.dtype, op: str, like=None, comm=None):
-    """Return ``(result, buffer)``: what the call returns and where MPI writes.
-
-    ``result`` is ``out``, or a new array: numpy, or cupy on the device of
-    ``like`` (the caller's input) when that is a device array. ``buffer`` is
-    ``result`` unless ``result`` is not C-contiguous, or is on a device that
-    MPI cannot write on ``comm`` (then ``buffer`` is pinned host memory); the
-    caller then copies ``buffer`` into ``result`` on completion
-    (:func:`copy_into`). Before a device ``buffer`` is handed back, cupy's
-    current stream is synchronised, so no earlier kernel still uses it.
-
-    Raises
-    ------
-    InvalidArgument
-        If ``out`` is not a writable numpy array, or a cupy array, of exactly
-        ``shape`` and ``dtype``.
-    """
-    if out is None:
-        if type(like) is _ndarray or like is None or not hasattr(like, _CAI):
-            result = host_empty(shape, dtype)
-            return result, result
-        result = gpu.device_empty(shape, dtype, gpu.as_cupy(like, op))
-    elif type(out) is _ndarray or isinstance(out, _ndarray):
-        flags = out.flags
-        if out.shape != shape or out.dtype != dtype or not flags.writeable:
-            check_out(out, shape, dtype, op)  # raises, saying which
-        if flags.c_contiguous:
-            return out, out
-        return out, host_empty(shape, dtype)
-    else:
-        result = check_out(out, shape, dtype, op)
-    if staged(comm):
-        return result, gpu.pinned_pool().empty(shape, dtype)
-    buf = result if result.flags.c_contiguous else gpu.device_empty(shape, dtype, result)
-    gpu.sync_current(buf)
-    return result, buf
-
-
-def copy_into(dst, src) -> None:
-    """Copy ``src`` into ``dst``, host or device, either way; returns once it is there."""
-    if isinstance(dst, _ndarray):
-        if isinstance(src, _ndarray):
-            dst[...] = src  # a third of np.copyto's time for small arrays
-        else:
-            gpu.to_host(src, dst)
-    elif isinstance(src, _ndarray):
-        gpu.to_device(src, dst)
-    else:
-        with dst.device:
-            dst[...] = src
 
 
 def overlaps(a, b) -> bool:

@@ -38,6 +38,10 @@ from ._status_board import (
 )
 from .errors import CollectiveTimeout, DistributedError
 
+#: The ``call`` of :meth:`CommState.begin` for a collective that records no
+#: shape, dtype, reduction or root (a barrier, a step of the library's own).
+NO_ARGUMENTS = (-1, None, None, None, -1)
+
 
 class CommState:
     """What ferrompi keeps per communicator: sequence numbers and health.
@@ -102,21 +106,20 @@ class CommState:
     def begin(
         self,
         opcode: int,
-        peer: int = -1,
-        shape: tuple | None = None,
-        dtype=None,
-        op=None,
-        root: int = -1,
+        call: tuple = NO_ARGUMENTS,
         timeout: float | None = None,
         rejected: bool = False,
     ) -> int:
         """Record the start of an operation; collectives (``peer < 0``) get a number.
 
+        ``call`` is ``(peer, shape, dtype, op, root)``: the world rank of a
+        message's peer (-1 for a collective), and what the call passed.
         Writes the status board and appends a flight-recorder entry (``last``).
         In debug mode (:mod:`ferrompi.debug`), a collective first checks that
         every rank called the same one with the same ``shape``, ``dtype``,
         reduction ``op`` and ``root`` (a ``rejected`` call takes part, flagged).
         """
+        peer, shape, dtype, op, root = call
         if self.broken is not None:
             raise DistributedError(self.broken)
         rec = self.rec

@@ -12,17 +12,12 @@ core gets it (``_status_board.yield_after``, ``_status_board.collective_yield_af
 every 256 tests to check the deadline. It never sleeps: MPI progresses only
 while some thread calls into it, so a sleeping rank would stall its peers.
 
-Cost model (measured here with MPICH, 2 cores): one ``Test`` costs about
-0.1-0.3 us, and ``sched_yield`` about 0.7 us when no other process waits for
-the core, so completion is noticed within about 0.5 us. With 4 ranks on 2
-cores, yielding soon matches MPICH's own blocking calls (18 us for a
-16-byte allreduce, against 228 us when yielding only after 1024 tests);
-with 2 ranks on 2 cores, yielding at every test after 512 made the 64 MiB
-uneven all-to-all 10-20 % slower than raw MPI (MPI's progress engine moves a
-large message only while it is called), one test in 64 5-10 % faster; one in
-1024 made the node engine's 1-4 MiB calls (whose waits on its counters test
-every 0.1 us) another 5-9 % faster. The deadline check adds one clock read
-per 256 tests. A collective that has waited 10 ms also reads its peers'
+Yielding soon on a crowded node matches MPICH's own blocking calls, and
+yielding rarely otherwise lets MPI's progress engine (which moves a large
+message only while it is called) and the node engine's counter waits run;
+the measurements behind each choice are in ``docs/timeouts.md`` ("The wait
+loop"). The deadline check adds one clock read per 256 tests. A collective
+that has waited 10 ms also reads its peers'
 status-board records every 10 ms, so that a peer that rejected the call
 locally (bad input) makes it raise at once instead of at the deadline.
 Requests of the in-process simulated backend carry an event and are waited
@@ -62,8 +57,9 @@ from .errors import (
     SizeMismatch,
 )
 from .flight import dump_participant
+from .typing import Timeout
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "PendingCollective", "complete", "timeout_seconds"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "PendingCollective"]
 
 #: Default timeout of every collective and point-to-point call: 60 s, the
 #: reference crate's (torch's process groups default to 30 minutes). The
@@ -71,7 +67,7 @@ __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "PendingCollective", "complete", "timeo
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def timeout_seconds(timeout: float | timedelta | None, default: float | None = None) -> float:
+def timeout_seconds(timeout: Timeout, default: float | None = None) -> float:
     """Return ``timeout`` in seconds; ``None`` means ``default`` (or 60 s).
 
     Raises
@@ -141,7 +137,7 @@ def _quick_test(test, status, collective: bool) -> bool:
 
     Waits try this bare loop before :func:`_spin`: a small message completes
     within it, without the cost of setting up the deadline and probe checks
-    (1-1.5 us per call, measured with 2 ranks). A ``collective``'s wait makes
+    (docs/performance.md, "Waits and records"). A ``collective``'s wait makes
     ``len(_status_board.collective_quick_tests)`` tests instead.
     """
     for _ in _status_board.collective_quick_tests if collective else _status_board.quick_tests:
@@ -316,7 +312,7 @@ class PendingCollective:
         reqs,
         result,
         finish=None,
-        timeout: float | timedelta | None = None,
+        timeout: Timeout = None,
         *,
         statuses=None,
         peer: int = -1,
@@ -363,7 +359,7 @@ class PendingCollective:
         self._complete()
         return True
 
-    def wait(self, timeout: float | timedelta | None = None):
+    def wait(self, timeout: Timeout = None):
         """Wait for completion and return the result.
 
         Parameters
@@ -550,25 +546,36 @@ def complete(
     truncated receive a :class:`SizeMismatch`.
     """
     try:
-        if not req.Test(status) and not _quick_test(req.Test, status, peer < 0):
-            seconds = timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
-            probe = (state, seq, _status_board.OPS[opcode]) if peer < 0 < seq else None
-            simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)
-            if simulated or not _spin(req, status, time.monotonic() + seconds, probe):
-                statuses = None if status is None else (status,)
-                return PendingCollective(
-                    state,
-                    opcode,
-                    seq,
-                    (req,),
-                    result,
-                    finish,
-                    seconds,
-                    statuses=statuses,
-                    peer=peer,
-                    expected=expected,
-                    keep=keep,
-                )._wait_rest(seconds)
+        if not req.Test(status):
+            # the bare loop of _quick_test, written out here: its call would cost
+            # as much as a test on this, every blocking call's, path
+            test = req.Test
+            for _ in (
+                _status_board.collective_quick_tests if peer < 0 else _status_board.quick_tests
+            ):
+                if test(status):
+                    break
+            else:
+                seconds = (
+                    timeout if type(timeout) is float else timeout_seconds(timeout, state.timeout)
+                )
+                probe = (state, seq, _status_board.OPS[opcode]) if peer < 0 < seq else None
+                simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)
+                if simulated or not _spin(req, status, time.monotonic() + seconds, probe):
+                    statuses = None if status is None else (status,)
+                    return PendingCollective(
+                        state,
+                        opcode,
+                        seq,
+                        (req,),
+                        result,
+                        finish,
+                        seconds,
+                        statuses=statuses,
+                        peer=peer,
+                        expected=expected,
+                        keep=keep,
+                    )._wait_rest(seconds)
     except MPI.Exception as exc:
         state.end(_status_board.FAILED)
         raise mpi_error(_status_board.OPS[opcode], exc, expected) from None

@@ -66,9 +66,9 @@ Environment:
     Threads with which each rank makes the copies and reductions of calls
     of :data:`THREADS_FROM` bytes and more (default :func:`default_threads`:
     its share of the node's cores, at most :data:`MAX_THREADS`; 1 on a node
-    with no core to spare, such as 2 ranks on 2 cores). One core copies
-    20-26 GB/s; on a 16-core machine two and four threads of one process
-    copied 1.9x and 2.9x as fast. Each rank chooses for itself: the ranks
+    with no core to spare, such as 2 ranks on 2 cores): a memory bus moves
+    several times what one core copies (docs/performance.md, "The node
+    engine's rounds and threads"). Each rank chooses for itself: the ranks
     need not agree, and the results are the same bits (every element is
     still reduced by one thread, in rank order).
 """
@@ -86,28 +86,29 @@ from . import _status_board
 from ._mpi import MPI
 from .errors import InvalidArgument
 
-__all__ = ["NodeEngine", "THRESHOLDS", "CEILINGS", "LIMITS", "UPPER_LIMITS", "enabled"]
+__all__ = [
+    "NodeEngine",
+    "THRESHOLDS",
+    "CEILINGS",
+    "LIMITS",
+    "UPPER_LIMITS",
+    "LOWEST",
+    "enabled",
+    "route",
+]
 
-#: Default message sizes (bytes per rank) from which the engine is used,
-#: measured on the 2-core development machine with 2, 3 and 4 ranks against
-#: ferrompi's MPI path in the same job (docs/performance.md): allreduce
-#: (in one step up to :data:`ONE_SHOT_BYTES`) wins in every job from 16 KiB,
-#: where MPICH's own allreduce doubles its time; reduce_scatter (one node
-#: only) from 16 KiB; all_gather (one node only) from 8 KiB, where MPICH's
-#: doubles its time, up to its ceiling (:data:`CEILINGS`). Across nodes the
-#: hierarchical allreduce starts at 1 MiB instead: the alpha-beta model
-#: fitted to this machine (docs/performance.md; a network cannot be measured
-#: here) has MPICH's own algorithms faster below that on 64 nodes of 8 ranks.
+#: Default message sizes (bytes per rank) from which the engine is used: where
+#: it beat ferrompi's MPI path in every job (allreduce, in one step up to
+#: :data:`ONE_SHOT_BYTES`; reduce_scatter and all_gather on one node, the
+#: latter up to its ceiling, :data:`CEILINGS`), and across nodes where the
+#: fitted network model has the hierarchical allreduce win.
 #:
 #: ``allreduce_crowded`` and ``all_gather_crowded`` apply instead on a node
 #: that runs more ranks than it has CPUs, to a group that lies on that one
-#: node: a rank there waits for its peers' time slices, and MPICH's
-#: algorithms, which wait more often than one engine round, lose sooner.
-#: With 4 and 3 ranks on 2 cores (both paths in one job, docs/performance.md)
-#: the engine took 0.62-0.63 / 0.92 of the MPI path's time for allreduce at
-#: 4 KiB and 0.64-0.72 at 8 KiB, but 1.17-1.18 / 0.91 at 2 KiB; for
-#: all_gather 0.67-0.81 / 0.93 at 4 KiB, 1.02-1.06 / 0.89 at 1-2 KiB.
-#: Never above the uncrowded thresholds.
+#: node: a rank there waits for its peers' time slices, and MPICH's algorithms,
+#: which wait more often than one engine round, lose sooner. Never above the
+#: uncrowded thresholds. The measurements: docs/performance.md, "Where the
+#: constants in the code come from".
 THRESHOLDS = {
     "allreduce": 16 << 10,
     "allreduce_crowded": 4 << 10,
@@ -119,16 +120,13 @@ THRESHOLDS = {
 
 #: Default message sizes (bytes per rank) above which an operation goes back
 #: to MPI: the engine's all_gather copies every byte twice (into the window,
-#: out of it), and from 2 MiB MPICH's own transfer is faster (the engine took
-#: 0.7-0.85 of the MPI path's time at 1 MiB, 1.1-1.7 at 2-4 MiB, 2 ranks).
+#: out of it), and above 1 MiB MPICH's own transfer is faster.
 #:
 #: ``reduce_scatter_crowded`` (bytes of input per rank) applies only on a node
 #: that runs more ranks than it has cores: each of the engine's rounds waits
-#: twice for every rank, and there a wait often lasts a time slice of the
-#: rank that shares the core. With 4 ranks on 2 cores the engine took
-#: 0.55-1.02 of raw MPI's time up to 256 KiB of input but 1.5-2.2x from
-#: 512 KiB, where ferrompi's MPI path took 1.03-1.4x; with 3 ranks 0.2-0.5
-#: up to 384 KiB and 1.4-1.6x from 768 KiB (docs/performance.md).
+#: twice for every rank, and there a wait often lasts a time slice of the rank
+#: that shares the core, so that from 512 KiB MPI is faster. The measurements:
+#: docs/performance.md, "Where the constants in the code come from".
 CEILINGS = {"all_gather": 1 << 20, "reduce_scatter_crowded": 256 << 10}
 
 #: Bytes of one round in each rank's window (two rounds are kept).
@@ -136,28 +134,24 @@ SLOT_BYTES = 2 << 20
 
 #: Largest ``(ranks - 1) * bytes`` of a single-node allreduce done in one step
 #: (every rank reduces the whole message from every window: one flag barrier
-#: instead of two). Against the two steps with 2 ranks (docs/performance.md):
-#: 0.60-0.90 of the time at 8-48 KiB, 0.84-0.98 at 64 KiB, 0.89-1.13 from
-#: 96 KiB on.
+#: instead of two), where the one step is faster than two (docs/performance.md,
+#: "Where the constants in the code come from").
 ONE_SHOT_BYTES = 64 << 10
 
 #: Most threads a rank uses by default (``FERROMPI_SHM_THREADS`` may ask for
-#: more). On 16 cores, with 2 and 4 ranks, 4 threads per rank were no faster
-#: than 2 at 16 MiB and within 10 % of them at 64 MiB.
+#: more): more were no faster (docs/performance.md, "Where the constants in the
+#: code come from").
 MAX_THREADS = 2
 
 #: Message size (bytes of this rank's input) from which the engine splits its
-#: copies and reductions among the rank's threads. With 2 threads on 16 cores
-#: (2 and 4 ranks, calls in random order), an allreduce took 0.80-0.90 of its
-#: 1-thread time at 8 MiB, 0.78-0.92 at 16 MiB and 0.66-0.77 at 64 MiB; in
-#: earlier runs (calls in a fixed order) 1-2 MiB calls took up to 1.5x as
-#: long with threads, and 4 MiB calls 0.75-1.17 of the time.
+#: copies and reductions among the rank's threads: below it, threads did not
+#: pay for themselves in every run (docs/performance.md, "Where the constants
+#: in the code come from").
 THREADS_FROM = 8 << 20
 
-#: Smallest share of a copy or reduction given to a thread, in bytes read
-#: and written: handing work to a waiting thread costs about 20 us, in which
-#: a core moves 0.4-0.5 MiB. (With 256 KiB, a 1 MiB allreduce took 1.5-2.0x
-#: as long with 4 threads as with 1, on 16 cores.)
+#: Smallest share of a copy or reduction given to a thread, in bytes read and
+#: written: a share must take longer than handing it to a waiting thread
+#: (docs/performance.md, "Where the constants in the code come from").
 PIECE_BYTES = 1 << 20
 
 _READY, _REDUCED, _CONSUMED = 0, 8, 16  # counter words, one cache line apart
@@ -165,10 +159,9 @@ _CALL = 24  # two words, by round parity: the call (:func:`_signature`) starting
 _FLAG_WORDS = 32
 _PAGE = 4096  # rounds start on page boundaries of the window
 
-#: Bytes of the window over which small rounds rotate (:func:`_place`).
-#: Measured with 2 ranks (docs/performance.md): 2 MiB made allreduce and
-#: reduce_scatter 3-26 % faster at 64-256 KiB; 4 MiB also slowed 1 MiB calls
-#: by 3-9 % in quiet periods (more lines than one core's 1 MiB L2 holds).
+#: Bytes of the window over which small rounds rotate (:func:`_place`): more
+#: lines than one core's L2 holds slowed larger calls (docs/performance.md,
+#: "Where the constants in the code come from").
 RING_BYTES = 2 << 20
 
 # numpy ufunc of each MPI reduction the engine performs, by the op's handle
@@ -254,6 +247,96 @@ def _limits() -> tuple[dict[str, float], dict[str, float], str | None]:
 #: ``FERROMPI_SHM_THRESHOLD`` is set, else :data:`CEILINGS`). Every rank must
 #: use the same values.
 LIMITS, UPPER_LIMITS, CONFIG_ERROR = _limits()
+
+
+#: Per kind of call, the limit (a key of :data:`LIMITS`) below which
+#: :func:`route` never chooses the engine: the first test of its rule, which
+#: callers make before anything else, so that small calls go to MPI at once.
+LOWEST = {
+    "allreduce": "allreduce_crowded",
+    "all_gather": "all_gather_crowded",
+    "reduce_scatter": "reduce_scatter",
+}
+
+
+def route(kind: str, nbytes: int, state, build) -> NodeEngine | None:
+    """The node engine if it runs this call, else None (MPI does): every routing rule.
+
+    Every rank of the group takes the same decision: the same size against
+    the same limits (``FERROMPI_SHM*`` set alike on every rank), and
+    properties of the group that every rank reads alike.
+
+    Parameters
+    ----------
+    kind : {"allreduce", "all_gather", "reduce_scatter"}
+        The blocking collective, on host buffers (device arrays never come here).
+    nbytes : int
+        Bytes of this rank's input.
+    state
+        The group's :class:`~ferrompi._comm_state.CommState`.
+    build : callable
+        ``build()`` returns the group's engine, built at its first use
+        (collectively), or None where the group has none.
+
+    Rules (limits in :data:`LIMITS`, :data:`UPPER_LIMITS`): allreduce from
+    ``allreduce``, or from ``allreduce_crowded`` on a crowded node
+    (:func:`crowded_node`), and across nodes (a rail engine) from
+    ``allreduce_hierarchical``; all_gather from ``all_gather`` (from
+    ``all_gather_crowded`` crowded) up to its ceiling, on one node;
+    reduce_scatter from ``reduce_scatter`` on one node, on a node with more
+    ranks than cores up to ``reduce_scatter_crowded``.
+    """
+    if kind == "allreduce":
+        if not (
+            nbytes >= LIMITS["allreduce_crowded"]  # never above LIMITS["allreduce"]
+            and (nbytes >= LIMITS["allreduce"] or crowded_node(state))
+        ):
+            return None
+        engine = build()
+        if engine is None or (
+            engine.rail is not None and nbytes < LIMITS["allreduce_hierarchical"]
+        ):
+            return None
+        return engine
+    if kind == "all_gather":
+        if not (
+            LIMITS["all_gather_crowded"] <= nbytes <= UPPER_LIMITS["all_gather"]
+            and (nbytes >= LIMITS["all_gather"] or crowded_node(state))
+        ):
+            return None
+        engine = build()
+        return engine if engine is not None and engine.rail is None else None
+    if nbytes < LIMITS["reduce_scatter"]:
+        return None
+    engine = build()
+    if (
+        engine is None
+        or engine.rail is not None
+        or (engine.crowded and nbytes > UPPER_LIMITS["reduce_scatter_crowded"])
+    ):
+        return None
+    return engine
+
+
+def crowded_node(state) -> bool:
+    """Whether the group lies on one node that runs more ranks than it has CPUs.
+
+    Read from the node's status board (its ranks, and the CPUs they may run
+    on together), so the same on every rank of the group; False for a group
+    that spans nodes, on every rank. Decides the engine's lower thresholds
+    (:data:`THRESHOLDS`); computed once per communicator.
+    """
+    crowded = state.crowded
+    if crowded is None:
+        board = state.participant.board
+        crowded = state.crowded = 0 < board.cpus < len(board.rows) and on_one_node(state)
+    return crowded
+
+
+def on_one_node(state) -> bool:
+    """Whether every rank of the group is on this rank's node (its status board)."""
+    rows = state.participant.board.rows
+    return all(r in rows for r in state.world_ranks)
 
 
 def _positive_int_env(name: str) -> int | None:
@@ -467,7 +550,7 @@ class NodeEngine:
         ]
         counters[self.rank][:] = 0
         # read and written through memoryviews: Python ints, half the cost of
-        # numpy scalars (1-2 us per call at 16-64 KiB, docs/performance.md)
+        # numpy scalars (docs/performance.md, "The node engine's rounds and threads")
         self.flags = [memoryview(c) for c in counters]
         self.mine = self.flags[self.rank]
         self.win.Lock_all(MPI.MODE_NOCHECK)
@@ -515,7 +598,7 @@ class NodeEngine:
 
         None below :data:`THREADS_FROM` and with one thread; the calls then
         copy in their own loops, as building the lists of pieces for a team
-        costs 1-2 us a round (3-6 % of a 256 KiB allreduce).
+        costs more than it saves there.
         """
         return self.team if nbytes >= THREADS_FROM and self.team.size > 1 else None
 

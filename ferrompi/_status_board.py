@@ -278,10 +278,8 @@ _PROCESS: Participant | None = None
 #: Tests a point-to-point wait makes before it starts yielding its core
 #: (``sched_yield``): 2 when this node runs more ranks than its ranks have
 #: CPUs (:func:`node_cpus`; a spinning rank would hold a core its peer
-#: needs: with the peer on this rank's core, a 4 B ``sendrecv`` took 2.4x
-#: raw ``Sendrecv``'s time yielding after 16 tests, 1.7x after 2, and the
-#: same as after 16 with the peer on the other core; docs/timeouts.md),
-#: else 512 (about 150 us): short waits spin, as MPI's own blocking calls
+#: needs; docs/timeouts.md, "The wait loop"),
+#: else 512: short waits spin, as MPI's own blocking calls
 #: do, and do not hand the core to unrelated processes; long ones yield, so
 #: that a peer the kernel descheduled (other load on the machine) gets a
 #: core to finish on. ``FERROMPI_YIELD=1``/``0`` forces 2 or never. Set
@@ -289,22 +287,21 @@ _PROCESS: Participant | None = None
 yield_after = 16
 
 #: :data:`yield_after` of a collective's waits: 4 when this node runs more
-#: ranks than cores (1 and 2 took 0.9-1.05 of its time, one case 0.86;
-#: docs/timeouts.md), else the same as point-to-point waits.
+#: ranks than cores (docs/timeouts.md, "The wait loop"), else the same as
+#: point-to-point waits.
 collective_yield_after = 4
 
 #: After :data:`yield_after` tests, a wait yields at one test in this many:
 #: every test (1) when the node runs more ranks than cores, else one in 1024.
-#: A large message moves only while MPI's progress engine is called, and a
-#: ``sched_yield`` costs 0.7 us here: yielding at every test made the 64 MiB
-#: uneven all-to-all 10-20 % slower than raw MPI with 2 ranks on 2 cores, one
-#: test in 64 5-10 % faster, and one in 1024 made the node engine's 1-4 MiB
-#: calls another 5-9 % faster than one in 64 (docs/timeouts.md). A power of two.
+#: A large message moves only while MPI's progress engine is called, and
+#: the node engine's counter waits test far more often than MPI completes
+#: anything, so rare yields cost them least (docs/timeouts.md, "The wait
+#: loop"). A power of two.
 yield_every = 1
 
 #: The tests a point-to-point wait makes in a bare loop before its
-#: deadline-checking loop (:func:`ferrompi._progress.complete`): up to 64
-#: (10-20 us, in which a small message completes), never more than
+#: deadline-checking loop (:func:`ferrompi._progress.complete`): up to 64,
+#: in which a small message completes, never more than
 #: :data:`yield_after`.
 quick_tests = range(16)
 

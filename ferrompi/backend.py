@@ -27,7 +27,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -37,14 +36,15 @@ from . import (
     excepthook,  # importing it also registers the exit handler
     launch,
 )
+from ._call import barrier_call, run
 from ._comm_state import CommState
 from ._mpi import MPI, require_mpi
-from ._progress import PendingCollective, mpi_error, timeout_seconds
+from ._progress import mpi_error, timeout_seconds
 from ._simcomm import SimComm
 from .errors import InvalidArgument, InvalidWorldSize
 from .flight import dump_participant
-from .gpu import cuda_aware
 from .launch import LaunchInfo
+from .typing import Timeout
 
 __all__ = [
     "Backend",
@@ -58,7 +58,6 @@ __all__ = [
     "is_gloo_available",
     "is_ucc_available",
     "is_nccl_available",
-    "cuda_aware",
 ]
 
 # One CommState per (participant, communicator): backends wrapping the same
@@ -111,7 +110,7 @@ class Backend:
         The communicator.
     """
 
-    def __init__(self, comm, *, timeout: float | timedelta | None = None, _participant=None):
+    def __init__(self, comm, *, timeout: Timeout = None, _participant=None):
         if comm is None or (MPI is not None and comm == MPI.COMM_NULL):
             raise InvalidArgument("comm is MPI.COMM_NULL: this rank is not in the communicator")
         if not isinstance(comm, SimComm):
@@ -154,9 +153,7 @@ class Backend:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank {self.rank} of {self.world_size}>"
 
-    def split(
-        self, color: int | None, key: int = 0, *, timeout: float | timedelta | None = None
-    ) -> Backend | None:
+    def split(self, color: int | None, key: int = 0, *, timeout: Timeout = None) -> Backend | None:
         """Split the group by ``color`` (``Comm.Split``); collective over this group.
 
         Parameters
@@ -202,18 +199,14 @@ class Backend:
             return None
         return wrap_comm(new, self)
 
-    def gather_arrival(self, op: str, timeout: float | timedelta | None = None) -> None:
+    def gather_arrival(self, op: str, timeout: Timeout = None) -> None:
         """Wait, under the timeout, until every rank of the group reaches ``op``.
 
         Used before MPI calls that cannot time out (communicator creation):
         once all ranks are known to be there, the blocking call cannot hang on
         a missing rank.
         """
-        state = self._state
-        opcode = _status_board.OPCODE[op]
-        seq = state.begin(opcode, timeout=timeout or self._timeout)
-        req = state.comm.Ibarrier()
-        PendingCollective(state, opcode, seq, (req,), None, None, timeout or self._timeout).wait()
+        run(self, _status_board.OPCODE[op], timeout, True, barrier_call, ())
 
 
 def wrap_comm(comm, parent: Backend, timeout: float | None = None) -> Backend:
@@ -248,7 +241,7 @@ class MPIBackend(Backend):
     (0, 1)
     """
 
-    def __init__(self, comm=None, *, timeout: float | timedelta | None = None, _participant=None):
+    def __init__(self, comm=None, *, timeout: Timeout = None, _participant=None):
         require_mpi()
         super().__init__(
             MPI.COMM_WORLD if comm is None else comm, timeout=timeout, _participant=_participant
@@ -264,7 +257,7 @@ class SimulatedBackend(Backend):
     """
 
     @classmethod
-    def create_group(cls, n: int, *, timeout: float | timedelta | None = None) -> list[Backend]:
+    def create_group(cls, n: int, *, timeout: Timeout = None) -> list[Backend]:
         """Return ``n`` backends forming one group, ranks ``0..n-1``.
 
         Each backend must be driven from its own thread (see :meth:`run`).
@@ -305,7 +298,7 @@ class SimulatedBackend(Backend):
         n: int,
         fn: Callable[..., Any],
         *args: Any,
-        timeout: float | timedelta | None = None,
+        timeout: Timeout = None,
     ) -> list[Any]:
         """Run ``fn(backend, *args)`` on every rank of a new ``n``-rank group.
 
@@ -353,7 +346,7 @@ _WORLD: MPIBackend | None = None
 _INIT_LOCK = threading.Lock()
 
 
-def init(*, timeout: float | timedelta | None = None) -> MPIBackend:
+def init(*, timeout: Timeout = None) -> MPIBackend:
     """Return the backend over ``MPI.COMM_WORLD``; collective on first call.
 
     Like ``torch.distributed.init_process_group``: call it once on every

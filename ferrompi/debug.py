@@ -18,7 +18,7 @@ and no data is exchanged. A rank that rejects its call locally (for example
 an invalid root) tells its peers so, and they raise instead of waiting.
 
 Debug mode costs one small extra all-gather per collective (a few
-microseconds on one node: see ``benchmarks/collectives.py``). It must be on in
+microseconds on one node: docs/performance.md). It must be on in
 all ranks or in none: a rank without it would match its peers' header
 exchange against its real collective.
 

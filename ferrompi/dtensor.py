@@ -47,7 +47,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import collectives
+from . import _rows, collectives
 from ._arrays import array_module, as_input
 from .errors import InvalidArgument
 from .mesh import DeviceMesh
@@ -275,7 +275,7 @@ class DTensor:
                 counts = [b - a for a, b in (chunk_range(extent, k, j) for j in range(k))]
                 if isinstance(current[m], Partial):
                     moved = xp.moveaxis(local, d, 0)
-                    part = collectives.reduce_rows(moved, counts, group, current[m].op)
+                    part = _rows.reduce_rows(moved, counts, group, current[m].op)
                     local = xp.ascontiguousarray(xp.moveaxis(part, 0, d))
                 else:
                     a, b = chunk_range(extent, group.world_size, coords[m])
@@ -300,7 +300,7 @@ class DTensor:
         counts = [b - a for a, b in (r[d] for r in self._member_ranges(placements, m, coords))]
         xp = array_module(local)
         moved = xp.moveaxis(local, d, 0)
-        gathered = collectives.gather_rows(moved, counts, self._mesh.get_group(m))
+        gathered = _rows.gather_rows(moved, counts, self._mesh.get_group(m))
         return xp.ascontiguousarray(xp.moveaxis(gathered, 0, d))
 
     def _shard_to_shard(self, local: np.ndarray, m: int, j: int, coords) -> np.ndarray:
@@ -328,7 +328,7 @@ class DTensor:
             shape[j] = after[me][j][1] - after[me][j][0]
             recv_shapes.append(tuple(shape))
         recv_counts = [math.prod(s) for s in recv_shapes]
-        flat = collectives.exchange_rows(
+        flat = _rows.exchange_rows(
             xp.concatenate(pieces) if pieces else local.reshape(-1)[:0],
             send_counts,
             recv_counts,

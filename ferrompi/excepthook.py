@@ -35,7 +35,7 @@ from . import _status_board
 from ._mpi import MPI
 from .flight import dump_participant
 
-__all__ = ["install_excepthook", "abort_job"]
+__all__ = ["install_excepthook"]
 
 _installed = False
 

@@ -3,8 +3,8 @@
 Every rank (every participant: an MPI process, or one simulated rank) keeps a
 bounded ring of its last ``FERROMPI_FLIGHT_SIZE`` (default 256) operations:
 collective number on its group, operation, group (key and size), shape,
-dtype, peer, start and end time, status. Recording costs about 0.2 us per
-call and is always on.
+dtype, peer, start and end time, status. Recording is always on (its cost:
+docs/performance.md, "Waits and records").
 
 The record is written to ``ferrompi-flight-<rank>.json`` (in
 ``FERROMPI_FLIGHT_DIR``, default the current directory) when an operation

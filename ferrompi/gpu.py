@@ -203,7 +203,7 @@ def set_cuda_aware(value: bool | None) -> None:
 def cupy_module(op: str):
     """The ``cupy`` module; :class:`InvalidArgument` naming ``op`` if it cannot be imported."""
     try:
-        import cupy
+        import cupy  # lazy: optional, imported once a device array is seen
     except ImportError as exc:
         raise InvalidArgument(
             f"{op}: GPU arrays need cupy, which cannot be imported ({exc}); "

@@ -30,7 +30,6 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Sequence
-from datetime import timedelta
 
 import numpy as np
 
@@ -40,6 +39,7 @@ from ._mpi import MPI
 from ._progress import PendingCollective, mpi_error, timeout_seconds
 from .backend import Backend, wrap_comm
 from .errors import CollectiveTimeout, DistributedError, InvalidArgument
+from .typing import Timeout
 
 __all__ = ["SubBackend", "destroy_process_group", "new_group"]
 
@@ -49,7 +49,6 @@ DESTROYED = (
     "make a new one (split, new_group, SubBackend) to communicate again"
 )
 
-Timeout = float | timedelta | None
 
 #: Tags at the top of the tag space that ferrompi reserves on a parent
 #: communicator for the members' check-in before ``Comm.Create_group``.
@@ -108,7 +107,7 @@ class SubBackend(Backend):
         parent: Backend,
         members: Sequence[int],
         *,
-        timeout: float | timedelta | None = None,
+        timeout: Timeout = None,
         _comm=None,
     ) -> None:
         if not isinstance(parent, Backend):
@@ -202,7 +201,8 @@ class SubBackend(Backend):
         opcode = _status_board.OPCODE["create_group"]
         deadline = time.monotonic() + self._timeout
         peer = members[1] if parent.rank == leader and len(members) > 1 else leader
-        state.begin(opcode, state.world_ranks[peer])  # point-to-point: no collective number
+        # point-to-point: no collective number
+        state.begin(opcode, (state.world_ranks[peer], None, None, None, -1))
         if parent.rank == leader:
             buffers = {m: np.zeros(1, np.int64) for m in members[1:]}
             reqs = {

@@ -20,12 +20,12 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 
 import numpy as np
 
 from .backend import Backend
 from .errors import InvalidArgument, InvalidRank
+from .typing import Timeout
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -257,7 +257,7 @@ def init_device_mesh(
     shape: Sequence[int],
     mesh_dim_names: Sequence[str] | None = None,
     *,
-    timeout: float | timedelta | None = None,
+    timeout: Timeout = None,
 ) -> DeviceMesh:
     """A live mesh over ``backend``: one group per mesh dimension; collective.
 

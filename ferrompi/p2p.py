@@ -24,27 +24,28 @@ array([0., 1., 2.])
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import numpy as np
 
-from . import _status_board
 from ._arrays import (
+    HOST,
     as_input,
     check_rank,
-    copy_into,
     datatype_of,
     host_empty,
     is_device,
+    kind_of,
     output,
     overlaps,
     plain_pair,
 )
+from ._call import conclusion, run
 from ._mpi import MPI
-from ._progress import PendingCollective, complete, mpi_error, timeout_seconds
+from ._progress import PendingCollective
 from ._simcomm import SimComm
+from ._status_board import OPCODE, OPS
 from .backend import Backend
-from .errors import FerrompiError, InvalidArgument, SelfSend, SizeMismatch
+from .errors import InvalidArgument, SelfSend, SizeMismatch
+from .typing import Timeout
 
 __all__ = [
     "send",
@@ -57,8 +58,8 @@ __all__ = [
     "recv_into_with_timeout",
 ]
 
-Timeout = float | timedelta | None
-_OP = _status_board.OPCODE
+_ISEND, _IRECV = OPCODE["isend"], OPCODE["irecv"]
+_RECV, _RECV_INTO, _SENDRECV = OPCODE["recv"], OPCODE["recv_into"], OPCODE["sendrecv"]
 _TAG_UB: list[int] = []
 #: Messages travel as bytes: a receive never unpacks part of an element
 #: (MPICH aborts the job on a message that ends inside one), and the size
@@ -158,39 +159,22 @@ class _SendRecv:
         return self._recv_done and self._send_done
 
 
-def _copy_back(result, staged) -> None:
-    copy_into(result, staged)
-
-
-def _recv_pending(out, src, backend: Backend, tag, timeout, opcode: int) -> PendingCollective:
-    state = backend._state
-    name = _status_board.OPS[opcode]
-    try:
-        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        src = _peer(state, src, name, "src")
-        tag = _tag(tag, name)
-        if not isinstance(out, np.ndarray) and not is_device(out):
-            raise InvalidArgument(
-                f"{name}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
-            )
-        result, buf = output(out, out.shape, out.dtype, name, comm=state.comm)
-        datatype_of(buf, name)  # a dtype MPI has
-    except FerrompiError:
-        state.fail_before_start(opcode)
-        raise
-    state.begin(opcode, state.world_ranks[src])
-    req = _ProbedRecv(state.comm, src, tag, buf, name)
-    return PendingCollective(
-        state,
-        opcode,
-        0,
-        (req,),
-        result,
-        None if buf is result else _copy_back,
-        timeout,
-        peer=src,
-        keep=None if buf is result else buf,
-    )
+def _probed_recv(state, seconds: float, args: tuple) -> tuple:
+    """The prepared call of :func:`recv` and :func:`recv_into` (:mod:`ferrompi._call`)."""
+    out, src, tag, opcode = args
+    name = OPS[opcode]
+    src = _peer(state, src, name, "src")
+    tag = _tag(tag, name)
+    if not isinstance(out, np.ndarray) and not is_device(out):
+        raise InvalidArgument(
+            f"{name}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
+        )
+    result, buf, rkind = output(HOST, None, out, out.shape, out.dtype, name, state.comm)
+    datatype_of(buf, name)  # a dtype MPI has
+    finish, keep = conclusion(result, buf, 0, None, rkind)
+    args = (state.comm, src, tag, buf, name)
+    begin = (state.world_ranks[src], None, None, None, -1)
+    return begin, None, _ProbedRecv, args, result, finish, keep, (src, None, None)
 
 
 def _shape(shape, name: str) -> tuple[int, ...]:
@@ -244,37 +228,26 @@ def send(x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
     InvalidRank
         If ``dst`` is not in ``[0, world_size)``.
     """
-    _send(x, dst, backend, tag, timeout, True)
+    run(backend, _ISEND, timeout, True, _send, (x, dst, tag))
 
 
 def isend(
     x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
 ) -> PendingCollective:
     """Start :func:`send`; ``.wait()`` returns ``None``. Do not modify ``x`` until then."""
-    return _send(x, dst, backend, tag, timeout, False)
+    return run(backend, _ISEND, timeout, False, _send, (x, dst, tag))
 
 
-def _send(x, dst, backend: Backend, tag, timeout, blocking: bool):
-    state = backend._state
-    opcode = _OP["isend"]
-    try:
-        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        dst = _peer(state, dst, "send", "dst")
-        tag = _tag(tag, "send")
-        x = as_input(x, "send", state.comm)
-        datatype_of(x, "send")  # a dtype MPI has
-    except FerrompiError:
-        state.fail_before_start(opcode)
-        raise
-    state.begin(opcode, state.world_ranks[dst])
-    try:
-        req = state.comm.Isend([x, x.nbytes, _BYTE], dst, tag)
-    except MPI.Exception as exc:
-        state.end(_status_board.FAILED)
-        raise mpi_error("send", exc) from None
-    if blocking:
-        return complete(state, opcode, 0, req, None, None, x, timeout, dst)
-    return PendingCollective(state, opcode, 0, (req,), None, None, timeout, peer=dst, keep=x)
+def _send(state, seconds: float, args: tuple) -> tuple:
+    """The prepared call of :func:`send` and :func:`isend` (:mod:`ferrompi._call`)."""
+    x, dst, tag = args
+    dst = _peer(state, dst, "send", "dst")
+    tag = _tag(tag, "send")
+    x = as_input(x, "send", state.comm)
+    datatype_of(x, "send")  # a dtype MPI has
+    args = ([x, x.nbytes, _BYTE], dst, tag)
+    begin = (state.world_ranks[dst], None, None, None, -1)
+    return begin, None, state.comm.Isend, args, None, None, x, (dst, None, None)
 
 
 def recv(
@@ -312,7 +285,7 @@ def recv(
         If no message arrives in time; says what ``src`` is doing.
     """
     out = host_empty(_shape(shape, "recv"), _dtype(dtype, "recv"))
-    return _recv_pending(out, src, backend, tag, timeout, _OP["recv"]).wait()
+    return run(backend, _RECV, timeout, False, _probed_recv, (out, src, tag, _RECV)).wait()
 
 
 def recv_into(
@@ -328,7 +301,9 @@ def recv_into(
     SizeMismatch
         If the message does not hold exactly ``out.size`` elements of ``out.dtype``.
     """
-    return _recv_pending(out, src, backend, tag, timeout, _OP["recv_into"]).wait()
+    return run(
+        backend, _RECV_INTO, timeout, False, _probed_recv, (out, src, tag, _RECV_INTO)
+    ).wait()
 
 
 def irecv(
@@ -347,51 +322,46 @@ def irecv(
     than the buffer raises :class:`SizeMismatch` from ``wait``. The result is
     a new numpy array, or ``out`` (numpy or cupy, of ``shape`` and ``dtype``).
     """
-    state = backend._state
-    opcode = _OP["irecv"]
-    try:
-        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        src = _peer(state, src, "irecv", "src")
-        tag = _tag(tag, "irecv")
-        shape, dtype = _shape(shape, "irecv"), _dtype(dtype, "irecv")
-        result, buf = output(out, shape, dtype, "irecv", comm=state.comm)
-        datatype_of(buf, "irecv")  # a dtype MPI has
-    except FerrompiError:
-        state.fail_before_start(opcode)
-        raise
-    state.begin(opcode, state.world_ranks[src])
+    return run(backend, _IRECV, timeout, False, _irecv, (shape, src, dtype, tag, out))
+
+
+def _irecv(state, seconds: float, args: tuple) -> tuple:
+    """The prepared call of :func:`irecv` (:mod:`ferrompi._call`)."""
+    shape, src, dtype, tag, out = args
+    src = _peer(state, src, "irecv", "src")
+    tag = _tag(tag, "irecv")
+    shape, dtype = _shape(shape, "irecv"), _dtype(dtype, "irecv")
+    result, buf, rkind = output(HOST, None, out, shape, dtype, "irecv", state.comm)
+    datatype_of(buf, "irecv")  # a dtype MPI has
     status = MPI.Status()
-    try:
-        req = state.comm.Irecv([buf, buf.nbytes, _BYTE], src, tag)
-    except MPI.Exception as exc:
-        state.end(_status_board.FAILED)
-        raise mpi_error("irecv", exc) from None
-    return PendingCollective(
-        state,
-        opcode,
-        0,
-        (req,),
+    args = ([buf, buf.nbytes, _BYTE], src, tag)
+    keep = (buf, status, "irecv", rkind)
+    begin = (state.world_ranks[src], None, None, None, -1)
+    return (
+        begin,
+        None,
+        state.comm.Irecv,
+        args,
         result,
         _check_received,
-        timeout,
-        statuses=(status,),
-        peer=src,
-        expected=buf.size,
-        keep=(buf, status, "irecv"),
+        keep,
+        (src, status, buf.size),
     )
 
 
 def _check_received(result: np.ndarray, keep: tuple) -> None:
     """After an ``Irecv``: the message filled the buffer exactly (else :class:`SizeMismatch`).
 
+    ``keep`` is ``(buffer, status, operation, result's kind, ...)``.
+
     A larger message fails earlier, in MPI (truncation: ``got`` is then unknown).
     """
-    buf, status, op = keep[:3]
+    buf, status, op, kind = keep[:4]
     got = status.Get_count(_BYTE)
     if got != buf.nbytes:
         raise _mismatch(buf, got, op)
     if buf is not result:
-        copy_into(result, buf)
+        kind.copy_into(result, buf)
 
 
 def _mismatch(buf, nbytes: int, op: str) -> SizeMismatch:
@@ -471,39 +441,49 @@ def sendrecv(
     >>> fm.SimulatedBackend.run(3, shift)
     [array([2]), array([0]), array([1])]
     """
-    state = backend._state
-    opcode = _OP["sendrecv"]
-    try:
-        timeout = backend._timeout if timeout is None else timeout_seconds(timeout)
-        peer = _peer(state, peer, "sendrecv", "peer")
-        source = peer if source is None else _peer(state, source, "sendrecv", "source")
-        tag = _tag(tag, "sendrecv")
-        shape = _shape(recv_shape, "sendrecv")
-        if plain_pair(x, out, shape) is not None:  # plain numpy: checked in one call
-            result = buf = out
-        else:
-            like, x = x, as_input(x, "sendrecv", state.comm)
-            datatype_of(x, "sendrecv")  # a dtype MPI has
-            result, buf = output(out, shape, x.dtype, "sendrecv", like, state.comm)
-            if out is not None and overlaps(x, buf):
-                x = x.copy()  # MPI must not receive into what it is sending
-    except FerrompiError:
-        state.fail_before_start(opcode)
-        raise
-    state.begin(opcode, state.world_ranks[source])  # the rank it waits for
+    return run(
+        backend, _SENDRECV, timeout, True, _sendrecv, (x, recv_shape, peer, tag, source, out)
+    )
+
+
+def _sendrecv(state, seconds: float, args: tuple) -> tuple:
+    """The prepared call of :func:`sendrecv` (:mod:`ferrompi._call`)."""
+    x, recv_shape, peer, tag, source, out = args
+    peer = _peer(state, peer, "sendrecv", "peer")
+    source = peer if source is None else _peer(state, source, "sendrecv", "source")
+    tag = _tag(tag, "sendrecv")
+    shape = _shape(recv_shape, "sendrecv")
+    if plain_pair(x, out, shape) is not None:  # plain numpy: checked in one call
+        result = buf = out
+        rkind = HOST
+    else:
+        kind = kind_of(x)
+        like, x = x, kind.input(x, "sendrecv", state.comm)
+        datatype_of(x, "sendrecv")  # a dtype MPI has
+        result, buf, rkind = output(kind, like, out, shape, x.dtype, "sendrecv", state.comm)
+        if out is not None and overlaps(x, buf):
+            x = x.copy()  # MPI must not receive into what it is sending
     status = MPI.Status()
-    comm = state.comm
-    try:
-        req = _SendRecv(
-            comm.Irecv([buf, buf.nbytes, _BYTE], source, tag),
-            comm.Isend([x, x.nbytes, _BYTE], peer, tag),
-        )
-    except MPI.Exception as exc:
-        state.end(_status_board.FAILED)
-        raise mpi_error("sendrecv", exc) from None
-    keep = (buf, status, "sendrecv", x)
-    return complete(
-        state, opcode, 0, req, result, _check_received, keep, timeout, source, status, buf.size
+    args = (state.comm, buf, source, x, peer, tag)
+    keep = (buf, status, "sendrecv", rkind, x)
+    begin = (state.world_ranks[source], None, None, None, -1)  # the rank it waits for
+    return (
+        begin,
+        None,
+        _post_sendrecv,
+        args,
+        result,
+        _check_received,
+        keep,
+        (source, status, buf.size),
+    )
+
+
+def _post_sendrecv(comm, buf, source: int, x, peer: int, tag: int) -> _SendRecv:
+    """Post the receive, then the send, of one exchange."""
+    return _SendRecv(
+        comm.Irecv([buf, buf.nbytes, _BYTE], source, tag),
+        comm.Isend([x, x.nbytes, _BYTE], peer, tag),
     )
 
 

@@ -310,6 +310,7 @@ class FerrompiPlugin:
             os._exit(1)
         if size > 1:
             time.sleep(ABORT_DELAY_SECONDS)  # the other ranks' watchdogs report too
+        # lazy, as every ferrompi import here: pytest loads the plugin in every session
         from ferrompi.excepthook import abort_comm
 
         abort_comm(mpi.COMM_WORLD, 1)  # removes MPICH's node segments from /dev/shm first
@@ -441,6 +442,7 @@ def fm_world() -> Iterator[Any]:
     Under plain pytest it is the one-rank world of this process. Taking it
     makes the test collective.
     """
+    # lazy: pytest loads the plugin in every session; ferrompi loads MPI for those using it
     import ferrompi as fm
     from ferrompi import backend as fm_backend
     from ferrompi._mpi import MPI
@@ -507,7 +509,7 @@ def fm_simulated() -> Callable[..., list]:
     rank (see :meth:`ferrompi.SimulatedBackend.run`). A group of one rank is
     real MPI over ``COMM_SELF``. Tests that take it run under the watchdog.
     """
-    import ferrompi as fm
+    import ferrompi as fm  # lazy: pytest loads the plugin in every session
 
     def run(n: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list:
         return fm.SimulatedBackend.run(n, fn, *args, timeout=timeout)

@@ -15,7 +15,7 @@ from support import rank_data
 
 import ferrompi as fm
 from ferrompi import ReduceOp
-from ferrompi.collectives import exchange_rows
+from ferrompi._rows import exchange_rows
 
 ALL_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdgFDG"]
 
@@ -420,7 +420,7 @@ def test_uneven_all_to_all_of_other_dtypes(multigroup, dtype):
 def _uneven_large_blocks(b, seed):
     # blocks past SELF_COPY_BYTES: each rank copies its own block with numpy
     # and MPI moves the others; with zero-row pairs and out= given
-    from ferrompi.collectives import SELF_COPY_BYTES
+    from ferrompi._rows import SELF_COPY_BYTES
 
     size, rank = b.world_size, b.rank
     rows = SELF_COPY_BYTES // 24 + 1  # rows of 3 float64: past the limit at 1 row per unit
@@ -454,7 +454,7 @@ def _uneven_inline_boundary(b, over_rank: int) -> int:
     Returns how many ``Ialltoallv`` this rank started.
     """
     size, rank = b.world_size, b.rank
-    room = fm.collectives._table_layout(size).room
+    room = fm.uneven._table_layout(size).room
     rows = [room // 8 + (s == over_rank) for s in range(size)]  # 8-byte rows
     splits = [[n // size] * (size - 1) + [n - n // size * (size - 1)] for n in rows]
     inputs = [rank_data(s, (rows[s],), np.float64, seed=7) for s in range(size)]
@@ -469,13 +469,13 @@ def _uneven_inline_boundary(b, over_rank: int) -> int:
 
 
 def test_uneven_rows_travel_in_the_table_records_when_every_rank_s_fit(multigroup, monkeypatch):
-    start = fm.collectives._start_alltoallv
+    start = fm.uneven.alltoallv_call
 
     def counted(state, *args):
         _ALLTOALLV_STARTS.append(state.rank)
         return start(state, *args)
 
-    monkeypatch.setattr(fm.collectives, "_start_alltoallv", counted)
+    monkeypatch.setattr(fm.uneven, "alltoallv_call", counted)
     assert set(multigroup.run(_uneven_inline_boundary, -1)) == {0}  # one exchange
     # one rank's rows do not fit: every rank's rows go through Ialltoallv
     assert set(multigroup.run(_uneven_inline_boundary, multigroup.size - 1)) == {1}
@@ -572,19 +572,19 @@ def _every_uneven_case(run, seed: int, row_shape: tuple) -> None:
 @pytest.mark.parametrize("size", [16, 19])
 def test_uneven_large_groups_check_tables_with_numpy(size):
     """From 16 ranks the split tables are compared with numpy before the pair-by-pair loop."""
-    assert size >= fm.collectives._VECTOR_CHECK_FROM
+    assert size >= fm.uneven._VECTOR_CHECK_FROM
     _every_uneven_case(functools.partial(fm.SimulatedBackend.run, size), size, (2,))
 
 
 @pytest.mark.parametrize("size", [5, 17])
 def test_uneven_pairwise_check_in_larger_groups(size, monkeypatch):
-    monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 5)
+    monkeypatch.setattr(fm.uneven, "PAIRWISE_CHECK_FROM", 5)
     _every_uneven_case(functools.partial(fm.SimulatedBackend.run, size), size, (2,))
 
 
 def test_uneven_pairwise_check(multigroup, monkeypatch):
     """Large groups check their splits pairwise; results and errors are the same."""
-    monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 1)
+    monkeypatch.setattr(fm.uneven, "PAIRWISE_CHECK_FROM", 1)
     _every_uneven_case(multigroup.run, 1, (3,))
 
 
@@ -793,7 +793,7 @@ def test_all_gather_v_disagreements(multigroup):
 @pytest.mark.parametrize("size", [None, 5, 17])
 def test_all_gather_v_pairwise_check(group, size, monkeypatch):
     """From PAIRWISE_CHECK_FROM ranks the counts are checked where they were given."""
-    monkeypatch.setattr(fm.collectives, "PAIRWISE_CHECK_FROM", 1)
+    monkeypatch.setattr(fm.uneven, "PAIRWISE_CHECK_FROM", 1)
     run = group.run if size is None else functools.partial(fm.SimulatedBackend.run, size)
     for given in (True, False):
         assert set(run(_gather_v, False, given)) == {None}

@@ -16,17 +16,15 @@ import queue
 import threading
 import weakref
 from collections.abc import Mapping
-from datetime import timedelta
 
 from .._mpi import MPI
 from .._simcomm import SimComm
 from ..backend import Backend
 from ..errors import AsyncCheckpointFailed, CheckpointInvalidArgument
+from ..typing import Timeout
 from ._save import SaveJob, check_backend, prepare, run
 
 __all__ = ["CheckpointFuture", "AsyncCheckpointer", "async_save"]
-
-Timeout = float | timedelta | None
 
 
 class CheckpointFuture(concurrent.futures.Future):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from datetime import timedelta
 
 import h5py
 import numpy as np
@@ -28,6 +27,7 @@ from ..errors import (
     MissingShard,
 )
 from ..placements import Partial, as_partial, shard_ranges
+from ..typing import Timeout
 from ._format import GLOBAL, Checkpoint, ShardMeta, TensorMeta, open_checkpoint
 from ._h5 import ShardSource
 from ._io import CHUNK, DEPTH, BlockCRC, Damage, scratch, stream
@@ -41,8 +41,6 @@ __all__ = [
     "verify_checkpoint",
     "Reader",
 ]
-
-Timeout = float | timedelta | None
 
 
 class Reader:

@@ -35,15 +35,15 @@ import shutil
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import numpy as np
 
-from .. import collectives
+from .. import __version__, collectives
 from .._progress import timeout_seconds
+from .._rows import gather_rows
 from .._simcomm import SimComm
 from ..backend import Backend
-from ..collectives import gather_rows
 from ..errors import (
     CheckpointInvalidArgument,
     CheckpointIOError,
@@ -51,6 +51,7 @@ from ..errors import (
     FerrompiError,
 )
 from ..placements import Partial, Replicate, Shard, shard_ranges
+from ..typing import Timeout
 from ._format import (
     COMMIT,
     FORMAT,
@@ -72,7 +73,6 @@ from ._tree import check_array, flatten, host_tree, object_text
 
 __all__ = ["save_distributed", "prepare", "run", "SaveJob", "exchange"]
 
-Timeout = float | timedelta | None
 
 #: The write step's deadline grows by one second per this many bytes of the
 #: largest rank's share (a floor of 10 MB/s on the slowest rank's disk).
@@ -445,8 +445,6 @@ def _prepare_dir(path: str, overwrite: bool) -> str:
 
 
 def _metadata(job: SaveJob, tensors: list[TensorMeta], files: dict) -> dict:
-    from .. import __version__
-
     return {
         "format": FORMAT,
         "version": VERSION,

@@ -63,7 +63,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import collectives
+from .. import _rows, collectives
 from .._arrays import check_rank
 from .._mpi import MPI
 from .._simcomm import SimComm
@@ -268,7 +268,7 @@ class FullyShardedDataParallel:
         if self.shard_group is None:
             unit.gathered = self.shards[key]
             return
-        unit.pending = collectives.gather_rows(
+        unit.pending = _rows.gather_rows(
             self.shards[key], unit.counts, self.shard_group, blocking=False
         )
 
@@ -338,7 +338,7 @@ class FullyShardedDataParallel:
         flat = np.concatenate([grads[s].reshape(-1) for s in unit.short])
         flat = flat.astype(unit.dtype, copy=False)
         if self.shard_group is not None:
-            flat = collectives.reduce_rows(flat, unit.counts, self.shard_group, ReduceOp.MEAN)
+            flat = _rows.reduce_rows(flat, unit.counts, self.shard_group, ReduceOp.MEAN)
         if self.replicate_group is not None:
             flat = collectives.allreduce(flat, self.replicate_group, ReduceOp.MEAN, out=flat)
         self.grads[key] += flat
@@ -358,7 +358,7 @@ class FullyShardedDataParallel:
             flat = (
                 self.shards[key]
                 if self.shard_group is None
-                else collectives.gather_rows(self.shards[key], unit.counts, self.shard_group)
+                else _rows.gather_rows(self.shards[key], unit.counts, self.shard_group)
             )
             out.update({n: v.copy() for n, v in unit.views(flat, full_names=True).items()})
         return out
