@@ -9,7 +9,8 @@
   an MPI job of 2 ranks when the ``mpiexec`` next to this Python exists (the
   ``mpich`` extra), else as one process; ``test_*.py`` files run under pytest.
 * Every docstring example of every ferrompi module runs.
-* ``docs/api.md`` documents exactly ``ferrompi.__all__``.
+* ``docs/api.md`` documents exactly ``ferrompi.__all__``, and the pages
+  name every other name of a public module's ``__all__``.
 """
 
 from __future__ import annotations
@@ -211,3 +212,18 @@ def test_api_page_documents_every_public_name():
 def test_public_names_exist():
     for name in ferrompi.__all__:
         assert hasattr(ferrompi, name), name
+
+
+def test_every_public_module_s_names_are_in_the_docs():
+    # beyond the package face (above): the names of public submodules such as
+    # ferrompi.gpu, ferrompi.parallel, ferrompi.rpc, ferrompi.typing
+    text = "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
+    missing = []
+    for name in _modules():
+        if any(part.startswith("_") for part in name.split(".")[1:]):
+            continue
+        for public in getattr(importlib.import_module(name), "__all__", ()):
+            if not re.search(rf"\b{re.escape(public)}\b", text):
+                missing.append(f"{name}.{public}")
+    assert not missing, f"not named in docs/*.md: {missing}"
+
