@@ -33,10 +33,11 @@ A prepare function returns the *prepared call*, the tuple
     :meth:`CommState.begin <ferrompi._comm_state.CommState.begin>` (``peer``:
     the world rank of a message's peer, -1 for a collective).
 ``route``
-    ``None``, or ``(kind, x, buf, mpi_op)`` of a call the node engine may
+    ``None``, or ``(kind, x, buf, mpi_op)`` of a call the node engine could
     run (``kind`` one of ``"allreduce"``, ``"all_gather"``,
-    ``"reduce_scatter"``; only for blocking calls on host buffers from the
-    kind's lowest limit, :data:`ferrompi._shm.LOWEST`).
+    ``"reduce_scatter"``; ``mpi_op`` None for all_gather): blocking calls
+    on host buffers from the kind's lowest limit
+    (:data:`ferrompi._shm.LOWEST`) go where :func:`ferrompi._shm.route` says.
 ``post``, ``args``
     ``post(*args)`` starts the operation and returns its request: an
     mpi4py ``I*`` method, or a request-like object's constructor. With
@@ -70,6 +71,7 @@ from ._progress import (
     check_peers,
     complete,
     mpi_error,
+    one_pending,
     rejection_error,
     timeout_error,
     timeout_seconds,
@@ -108,8 +110,13 @@ def run(backend, opcode: int, timeout, blocking: bool, prepare, args: tuple):
     except FerrompiError:
         state.fail_before_start(opcode)
         raise
-    if route is not None and _on_node(backend, opcode, begin, route, seconds):
-        if finish is not None:  # only blocking calls offer a route
+    if (
+        route is not None
+        and blocking
+        and route[1].nbytes >= _shm.LIMITS[_shm.LOWEST[route[0]]]  # else MPI: small calls
+        and _on_node(backend, opcode, begin, route, seconds)
+    ):
+        if finish is not None:
             finish(result, keep)
         state.end(DONE)
         return result
@@ -119,42 +126,34 @@ def run(backend, opcode: int, timeout, blocking: bool, prepare, args: tuple):
     except MPI.Exception as exc:
         state.end(FAILED)
         raise mpi_error(OPS[opcode], exc) from None
-    if wait is None and blocking:  # a blocking collective: the common case first
-        return complete(state, opcode, seq, req, result, finish, keep, seconds)
+    if wait is None:  # a collective
+        if blocking:
+            return complete(state, opcode, seq, req, result, finish, keep, seconds)
+        return PendingCollective(state, opcode, seq, (req,), result, finish, seconds, keep=keep)
     return _conclude(state, opcode, seconds, blocking, seq, req, result, finish, keep, wait)
 
 
 def _conclude(
     state, opcode: int, seconds: float, blocking: bool, seq: int, req, result, finish, keep, wait
 ):
-    """The rest of :func:`run`'s conclusions: steps, messages, and asynchronous calls."""
+    """The rest of :func:`run`'s conclusions: the steps' and the messages'."""
     if wait is STEPS:
         req, result, finish, keep = req
         if req is None:  # the steps completed the operation
             return result
         wait = None
-    if wait is None:
-        if blocking:
-            return complete(state, opcode, seq, req, result, finish, keep, seconds)
-        return PendingCollective(state, opcode, seq, (req,), result, finish, seconds, keep=keep)
-    peer, status, expected = wait
+    peer, status, expected = _COLLECTIVE if wait is None else wait
     if blocking:
         return complete(
             state, opcode, seq, req, result, finish, keep, seconds, peer, status, expected
         )
-    return PendingCollective(
-        state,
-        opcode,
-        seq,
-        (req,),
-        result,
-        finish,
-        seconds,
-        statuses=None if status is None else (status,),
-        peer=peer,
-        expected=expected,
-        keep=keep,
+    return one_pending(
+        state, opcode, seq, req, result, finish, keep, seconds, peer, status, expected
     )
+
+
+#: The ``wait`` of a collective: no peer, no status, no expected count.
+_COLLECTIVE = (-1, None, None)
 
 
 def conclusion(result, buf, divisor: int, keep, kind) -> tuple:
@@ -258,7 +257,8 @@ def _arrive_for_setup(backend, timeout: float, opcode: int, nbytes: int) -> None
 
 
 def _on_node(backend, opcode: int, begin: tuple, route: tuple, timeout: float) -> bool:
-    """Run the call ``route`` on the node engine if :func:`ferrompi._shm.route` says so.
+    """Run the call ``route`` on the node engine if its buffers are on the host and
+    :func:`ferrompi._shm.route` says so.
 
     Returns whether it did; the operation has then begun and its result is
     in the buffer, and the caller finishes it. A peer that does not progress
@@ -268,6 +268,8 @@ def _on_node(backend, opcode: int, begin: tuple, route: tuple, timeout: float) -
     """
     state = backend._state
     kind, x, buf, mpi_op = route
+    if not (isinstance(x, _ndarray) and isinstance(buf, _ndarray)):
+        return False  # device arrays never go to the node engine
     engine = _shm.route(kind, x.nbytes, state, lambda: _engine_of(backend, timeout, opcode, route))
     if engine is None:
         return False

@@ -524,6 +524,35 @@ def wait_step(state, opcode: int, seq: int, req, timeout: float | None) -> None:
     entry[E_STATE] = ACTIVE
 
 
+def one_pending(
+    state,
+    opcode: int,
+    seq: int,
+    req,
+    result,
+    finish,
+    keep,
+    seconds: float,
+    peer: int = -1,
+    status=None,
+    expected: int | None = None,
+) -> PendingCollective:
+    """The :class:`PendingCollective` of one request (the arguments of :func:`complete`)."""
+    return PendingCollective(
+        state,
+        opcode,
+        seq,
+        (req,),
+        result,
+        finish,
+        seconds,
+        statuses=None if status is None else (status,),
+        peer=peer,
+        expected=expected,
+        keep=keep,
+    )
+
+
 def complete(
     state,
     opcode,
@@ -562,20 +591,20 @@ def complete(
                 probe = (state, seq, _status_board.OPS[opcode]) if peer < 0 < seq else None
                 simulated = type(req) is not _MPIRequest and getattr(req, "block_until", None)
                 if simulated or not _spin(req, status, time.monotonic() + seconds, probe):
-                    statuses = None if status is None else (status,)
-                    return PendingCollective(
+                    pending = one_pending(
                         state,
                         opcode,
                         seq,
-                        (req,),
+                        req,
                         result,
                         finish,
+                        keep,
                         seconds,
-                        statuses=statuses,
-                        peer=peer,
-                        expected=expected,
-                        keep=keep,
-                    )._wait_rest(seconds)
+                        peer,
+                        status,
+                        expected,
+                    )
+                    return pending._wait_rest(seconds)
     except MPI.Exception as exc:
         state.end(_status_board.FAILED)
         raise mpi_error(_status_board.OPS[opcode], exc, expected) from None

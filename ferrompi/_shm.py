@@ -251,7 +251,8 @@ LIMITS, UPPER_LIMITS, CONFIG_ERROR = _limits()
 
 #: Per kind of call, the limit (a key of :data:`LIMITS`) below which
 #: :func:`route` never chooses the engine: the first test of its rule, which
-#: callers make before anything else, so that small calls go to MPI at once.
+#: the call skeleton (:func:`ferrompi._call.run`) makes before anything else,
+#: so that small calls go to MPI at once.
 LOWEST = {
     "allreduce": "allreduce_crowded",
     "all_gather": "all_gather_crowded",

@@ -45,7 +45,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _shm
 from ._arrays import (
     HOST,
     POOL_FROM,
@@ -97,10 +96,6 @@ _ALL_GATHER, _ASYNC_ALL_GATHER = OPCODE["all_gather"], OPCODE["async_all_gather"
 _REDUCE_SCATTER, _ASYNC_REDUCE_SCATTER = OPCODE["reduce_scatter"], OPCODE["async_reduce_scatter"]
 _ALL_TO_ALL, _ASYNC_ALL_TO_ALL = OPCODE["all_to_all"], OPCODE["async_all_to_all"]
 _BARRIER = OPCODE["barrier"]
-# the keys of the lowest engine limit of each kind (the limits may change: read them per call)
-_LOWEST_ALLREDUCE = _shm.LOWEST["allreduce"]
-_LOWEST_ALL_GATHER = _shm.LOWEST["all_gather"]
-_LOWEST_REDUCE_SCATTER = _shm.LOWEST["reduce_scatter"]
 _ndarray = np.ndarray
 _ONLY_NDARRAY = {np.ndarray}
 _IN_PLACE = MPI.IN_PLACE
@@ -119,16 +114,23 @@ def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np
     return x.copy() if overlaps(x, buf) else x
 
 
-def _engine_route(kind: str, x, buf, mpi_op=None) -> tuple | None:
-    """The ``route`` of a blocking call the node engine may run (:mod:`ferrompi._call`).
+def _moved(state, x, out, name: str, shape, in_place: bool = False) -> tuple:
+    """The general path of a collective that moves ``x`` without reducing it.
 
-    Callers first compare the input's bytes with the kind's lowest limit
-    (``_shm.LIMITS[_shm.LOWEST[kind]]``); only host buffers are offered, and
-    :func:`ferrompi._shm.route` decides.
+    ``x`` becomes MPI's buffer (its kind's adapter, :mod:`ferrompi._arrays`),
+    ``shape(x, size, name)`` checks it and gives the result's shape, and the
+    output is made (or ``out`` checked). Returns ``(x, dt, result, buf, result's kind)``.
     """
-    if isinstance(x, _ndarray) and isinstance(buf, _ndarray):
-        return kind, x, buf, mpi_op
-    return None
+    kind = kind_of(x)
+    like, x = x, kind.input(x, name, state.comm)
+    shape = shape(x, state.size, name)
+    dt = datatype_of(x, name)
+    result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
+    return _separate(x, buf, out, in_place), dt, result, buf, rkind
+
+
+def _same_shape(x, size: int, name: str) -> tuple[int, ...]:
+    return x.shape
 
 
 # ---------------------------------------------------------------------------
@@ -162,12 +164,9 @@ def _allreduce(state, seconds: float, args: tuple) -> tuple:
         finish, keep = None, x
     else:
         finish, keep = conclusion(result, buf, state.size if mean else 0, x, rkind)
-    route = None
-    if opcode == _ALLREDUCE and x.nbytes >= _shm.LIMITS[_LOWEST_ALLREDUCE]:
-        route = _engine_route("allreduce", x, buf, mop)
     return (
         (-1, x.shape, dtype, op, -1),
-        route,
+        ("allreduce", x, buf, mop),
         state.comm.Iallreduce,
         (_IN_PLACE if buf is x else [x, n, dt], [buf, n, dt], mop),
         result,
@@ -459,15 +458,11 @@ def _broadcast(state, seconds: float, args: tuple) -> tuple:
         result = buf = out
         rkind = HOST
     else:
-        kind = kind_of(x)
-        like, x = x, kind.input(x, name, state.comm)
-        dt = datatype_of(x, name)
-        result, buf, rkind = output(kind, like, out, x.shape, x.dtype, name, state.comm)
-        x = _separate(x, buf, out, in_place=True)
+        x, dt, result, buf, rkind = _moved(state, x, out, name, _same_shape, in_place=True)
     finish, keep = (None, x) if buf is result else conclusion(result, buf, 0, x, rkind)
-    if state.rank == root:
+    if state.rank == root and buf is not x:
         post, args = _broadcast_from_root, (state.comm, x, buf, dt, root)
-    else:
+    else:  # the root's buf is its x: one Ibcast of buf on every rank
         post, args = state.comm.Ibcast, ([buf, buf.size, dt], root)
     return (-1, x.shape, x.dtype, None, root), None, post, args, result, finish, keep, None
 
@@ -532,7 +527,7 @@ def async_broadcast(
 # ---------------------------------------------------------------------------
 
 
-def _gathered_shape(x, size: int) -> tuple[int, ...]:
+def _gathered_shape(x, size: int, name: str = "all_gather") -> tuple[int, ...]:
     """Shape of the all_gather of ``x`` over ``size`` ranks (a 0-d ``x`` gives ``(size,)``)."""
     return (size * x.shape[0], *x.shape[1:]) if x.ndim else (size,)
 
@@ -546,20 +541,12 @@ def _all_gather(state, seconds: float, args: tuple) -> tuple:
         result = buf = out
         rkind = HOST
     else:
-        kind = kind_of(x)
-        like, x = x, kind.input(x, name, state.comm)
-        dt = datatype_of(x, name)
-        shape = _gathered_shape(x, state.size)
-        result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-        x = _separate(x, buf, out)
+        x, dt, result, buf, rkind = _moved(state, x, out, name, _gathered_shape)
     n = x.size
     finish, keep = (None, x) if buf is result else conclusion(result, buf, 0, x, rkind)
-    route = None
-    if opcode == _ALL_GATHER and x.nbytes >= _shm.LIMITS[_LOWEST_ALL_GATHER]:
-        route = _engine_route("all_gather", x, buf)
     return (
         (-1, x.shape, x.dtype, None, -1),
-        route,
+        ("all_gather", x, buf, None),
         state.comm.Iallgather,
         ([x, n, dt], [buf, n, dt]),
         result,
@@ -626,6 +613,12 @@ def _rows_divisible(x: np.ndarray, size: int, name: str) -> int:
     return x.shape[0] // size
 
 
+def _divisible_shape(x, size: int, name: str) -> tuple[int, ...]:
+    """``x``'s shape, once its axis 0 is known to divide by ``size`` (all_to_all)."""
+    _rows_divisible(x, size, name)
+    return x.shape
+
+
 #: Largest result (bytes per rank) a reduce_scatter through MPI hands to
 #: ``Ireduce_scatter_block``; larger ones go to ``Ireduce_scatter`` with equal
 #: counts, which MPICH completes several times faster from 256 KiB
@@ -659,9 +652,6 @@ def _reduce_scatter(state, seconds: float, args: tuple) -> tuple:
         finish, keep = None, x
     else:
         finish, keep = conclusion(result, buf, state.size if mean else 0, x, rkind)
-    route = None
-    if opcode == _REDUCE_SCATTER and x.nbytes >= _shm.LIMITS[_LOWEST_REDUCE_SCATTER]:
-        route = _engine_route("reduce_scatter", x, buf, mop)
     if buf.nbytes <= BLOCK_SCATTER_BYTES:
         post, args = state.comm.Ireduce_scatter_block, ([x, count, dt], [buf, count, dt], mop)
     else:
@@ -669,7 +659,7 @@ def _reduce_scatter(state, seconds: float, args: tuple) -> tuple:
         post, args = state.comm.Ireduce_scatter, ([x, x.size, dt], [buf, count, dt], counts, mop)
     return (
         (-1, x.shape, x.dtype, op, -1),
-        route,
+        ("reduce_scatter", x, buf, mop),
         post,
         args,
         result,
@@ -755,12 +745,7 @@ def _all_to_all(state, seconds: float, args: tuple) -> tuple:
         result = buf = out
         rkind = HOST
     else:
-        kind = kind_of(x)
-        like, x = x, kind.input(x, name, state.comm)
-        _rows_divisible(x, state.size, name)
-        dt = datatype_of(x, name)
-        result, buf, rkind = output(kind, like, out, x.shape, x.dtype, name, state.comm)
-        x = _separate(x, buf, out)
+        x, dt, result, buf, rkind = _moved(state, x, out, name, _divisible_shape)
     block = x.size // state.size
     finish, keep = (None, x) if buf is result else conclusion(result, buf, 0, x, rkind)
     return (
