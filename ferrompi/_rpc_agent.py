@@ -484,28 +484,16 @@ class _Agent:
         deadline = time.monotonic() + seconds
         previous = None
         while True:
-            pause = _POLL_MIN
-            while not self.idle():
-                if time.monotonic() > deadline:
-                    raise RpcTimeout(
-                        seconds, "", self.rank, what="RPC shutdown (waiting for this rank's calls)"
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX)
+            what = "RPC shutdown (waiting for this rank's calls)"
+            _poll_until(self.idle, deadline, seconds, self.rank, what)
             with self.lock:
                 counts = np.array(
                     [self.requests_sent, self.requests_served, 0 if self.idle() else 1], np.int64
                 )
             totals = np.empty_like(counts)
             req = self.comm.Iallreduce(counts, totals, MPI.SUM)
-            pause = _POLL_MIN
-            while not req.Test():
-                if time.monotonic() > deadline:
-                    raise RpcTimeout(
-                        seconds, "", self.rank, what="RPC shutdown (waiting for the other ranks)"
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause, _POLL_MAX)
+            what = "RPC shutdown (waiting for the other ranks)"
+            _poll_until(req.Test, deadline, seconds, self.rank, what)
             clean = totals[2] == 0 and totals[0] == totals[1]
             if clean and previous == (totals[0], totals[1]):
                 return
@@ -531,3 +519,20 @@ class _Agent:
         for future in waiting:
             future._settle(error=NoConnection(future._to, reason))
         self.workers.shutdown(wait=join, cancel_futures=True)
+
+
+def _poll_until(done, deadline: float, seconds: float, rank: int, what: str) -> None:
+    """Sleep until ``done()`` (from :data:`_POLL_MIN`, doubling up to :data:`_POLL_MAX`).
+
+    Raises
+    ------
+    RpcTimeout
+        Once ``deadline`` has passed (``seconds``: the timeout it came from),
+        saying what this rank was waiting for.
+    """
+    pause = _POLL_MIN
+    while not done():
+        if time.monotonic() > deadline:
+            raise RpcTimeout(seconds, "", rank, what=what)
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX)
