@@ -49,11 +49,11 @@ from .typing import Timeout
 
 __all__ = [
     "send",
+    "isend",
     "recv",
+    "irecv",
     "recv_into",
     "sendrecv",
-    "isend",
-    "irecv",
     "recv_with_timeout",
     "recv_into_with_timeout",
 ]

@@ -226,4 +226,3 @@ def test_every_public_module_s_names_are_in_the_docs():
             if not re.search(rf"\b{re.escape(public)}\b", text):
                 missing.append(f"{name}.{public}")
     assert not missing, f"not named in docs/*.md: {missing}"
-
