@@ -14,7 +14,7 @@ passes the transport into one body):
    deadline;
 2. a large blocking call on host buffers goes to the node engine where
    :func:`ferrompi._shm.route` says so (the engine is built at its first
-   use, as a collective of its own: :func:`_engine_of`);
+   use, as a collective of its own: :func:`_build_engine`);
 3. ``state.begin``: the collective's number, its status-board record and
    flight entry (and in debug mode the agreement check);
 4. the transport: one non-blocking MPI call (or, for the operations that
@@ -189,26 +189,29 @@ def barrier_call(state, seconds: float, args: tuple) -> tuple:
 # ---------------------------------------------------------------------------
 
 
-def _engine_of(backend, timeout: float, opcode: int, route: tuple) -> _shm.NodeEngine | None:
-    """The backend's shared-memory engine, built at first use (collective), or None.
+def _build_engine(backend, timeout: float, opcode: int, nbytes: int) -> None:
+    """Build the backend's shared-memory engine (collective), or record that it has none.
 
-    ``opcode`` and ``route`` are the call's, for the error raised when the
-    ranks passed different sizes.
+    Sets ``state.shm`` to the engine, or to False (a simulated or one-rank
+    group, ``FERROMPI_SHM=0``, or nodes of different sizes). ``opcode`` and
+    ``nbytes`` are the call's, for the error raised when the ranks passed
+    different sizes.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``FERROMPI_SHM_THRESHOLD`` is not a number of bytes.
     """
     state = backend._state
-    engine = state.shm
     if _shm.CONFIG_ERROR:
         raise InvalidArgument(_shm.CONFIG_ERROR)
-    if engine is None:
-        if type(state.comm) is SimComm or state.size == 1 or not _shm.enabled():
-            engine = False
-        else:
-            if state.rejected:  # the setup communicates before begin() would check
-                state.settle_rejection(opcode, timeout)
-            _arrive_for_setup(backend, timeout, opcode, route[1].nbytes)
-            engine = _shm.NodeEngine.create(state.comm) or False
-        state.shm = engine
-    return engine or None
+    if type(state.comm) is SimComm or state.size == 1 or not _shm.enabled():
+        state.shm = False
+        return
+    if state.rejected:  # the setup communicates before begin() would check
+        state.settle_rejection(opcode, timeout)
+    _arrive_for_setup(backend, timeout, opcode, nbytes)
+    state.shm = _shm.NodeEngine.create(state.comm) or False
 
 
 def _arrive_for_setup(backend, timeout: float, opcode: int, nbytes: int) -> None:
@@ -270,7 +273,10 @@ def _on_node(backend, opcode: int, begin: tuple, route: tuple, timeout: float) -
     kind, x, buf, mpi_op = route
     if not (isinstance(x, _ndarray) and isinstance(buf, _ndarray)):
         return False  # device arrays never go to the node engine
-    engine = _shm.route(kind, x.nbytes, state, lambda: _engine_of(backend, timeout, opcode, route))
+    engine = _shm.route(kind, x.nbytes, state)
+    if engine is _shm.BUILD:  # the first call in the engine's range: build it, then ask again
+        _build_engine(backend, timeout, opcode, x.nbytes)
+        engine = _shm.route(kind, x.nbytes, state)
     if engine is None:
         return False
     seq = state.begin(opcode, begin, timeout)

@@ -95,6 +95,7 @@ __all__ = [
     "LOWEST",
     "enabled",
     "route",
+    "BUILD",
 ]
 
 #: Default message sizes (bytes per rank) from which the engine is used: where
@@ -260,12 +261,20 @@ LOWEST = {
 }
 
 
-def route(kind: str, nbytes: int, state, build) -> NodeEngine | None:
-    """The node engine if it runs this call, else None (MPI does): every routing rule.
+#: What :func:`route` answers when its rules want the engine and the group's
+#: has not been built yet: the caller builds it (collectively) and asks again.
+BUILD = "build the engine"
+
+
+def route(kind: str, nbytes: int, state) -> NodeEngine | str | None:
+    """The node engine if it runs this call, None if MPI does: every routing rule.
 
     Every rank of the group takes the same decision: the same size against
     the same limits (``FERROMPI_SHM*`` set alike on every rank), and
-    properties of the group that every rank reads alike.
+    properties of the group that every rank reads alike. Answers
+    :data:`BUILD` when the size is in the engine's range and the group's
+    engine (``state.shm``) is not built yet: its construction is collective,
+    so the caller makes it, then asks again.
 
     Parameters
     ----------
@@ -275,9 +284,6 @@ def route(kind: str, nbytes: int, state, build) -> NodeEngine | None:
         Bytes of this rank's input.
     state
         The group's :class:`~ferrompi._comm_state.CommState`.
-    build : callable
-        ``build()`` returns the group's engine, built at its first use
-        (collectively), or None where the group has none.
 
     Rules (limits in :data:`LIMITS`, :data:`UPPER_LIMITS`): allreduce from
     ``allreduce``, or from ``allreduce_crowded`` on a crowded node
@@ -293,10 +299,10 @@ def route(kind: str, nbytes: int, state, build) -> NodeEngine | None:
             and (nbytes >= LIMITS["allreduce"] or crowded_node(state))
         ):
             return None
-        engine = build()
-        if engine is None or (
-            engine.rail is not None and nbytes < LIMITS["allreduce_hierarchical"]
-        ):
+        engine = state.shm
+        if engine is None:
+            return BUILD
+        if not engine or (engine.rail is not None and nbytes < LIMITS["allreduce_hierarchical"]):
             return None
         return engine
     if kind == "all_gather":
@@ -305,13 +311,17 @@ def route(kind: str, nbytes: int, state, build) -> NodeEngine | None:
             and (nbytes >= LIMITS["all_gather"] or crowded_node(state))
         ):
             return None
-        engine = build()
-        return engine if engine is not None and engine.rail is None else None
+        engine = state.shm
+        if engine is None:
+            return BUILD
+        return engine if engine and engine.rail is None else None
     if nbytes < LIMITS["reduce_scatter"]:
         return None
-    engine = build()
+    engine = state.shm
+    if engine is None:
+        return BUILD
     if (
-        engine is None
+        not engine
         or engine.rail is not None
         or (engine.crowded and nbytes > UPPER_LIMITS["reduce_scatter_crowded"])
     ):
