@@ -79,6 +79,7 @@ from ._progress import (
 from ._simcomm import SimComm
 from ._status_board import DONE, FAILED, OPCODE, OPS, REJECTED, arrivals, spin_until
 from .errors import FerrompiError, InvalidArgument
+from .typing import Timeout
 
 #: The ``wait`` of a prepared call whose ``post`` runs steps (see the module docs).
 STEPS = object()
@@ -87,7 +88,7 @@ _ndarray = np.ndarray
 _SETUP = OPCODE["shm_setup"]
 
 
-def run(backend, opcode: int, timeout, blocking: bool, prepare, args: tuple):
+def run(backend, opcode: int, timeout: Timeout, blocking: bool, prepare, args: tuple):
     """Run operation ``opcode`` on ``backend``: ``prepare(state, seconds, args)``, then the rest.
 
     See the module documentation for the steps and the prepared call.
