@@ -12,7 +12,15 @@ from ._mpi import MPI
 from .errors import InvalidArgument, UnsupportedOp
 from .ops import ReduceOp
 
-__all__ = ["DATATYPES", "mpi_datatype", "mpi_op", "reduction", "SUPPORTED_DTYPES"]
+__all__ = [
+    "DATATYPES",
+    "mpi_datatype",
+    "mpi_op",
+    "reduction",
+    "SUPPORTED_DTYPES",
+    "NAN_MAX",
+    "NAN_MIN",
+]
 
 #: Type characters of the dtypes numpy and MPI share (MPI predefined datatypes).
 _CODES = "?bBhHiIlLqQefdgFDG"
@@ -43,6 +51,59 @@ def mpi_datatype(dtype: np.dtype) -> object:
     )
 
 
+def _elementwise(ufunc) -> object:
+    """An MPI user-defined operation computing ``out = ufunc(in, out)`` on the numpy dtype
+    of its MPI datatype (:data:`DATATYPES`), for a reduction MPI's own operations get wrong.
+    """
+    dtypes = {datatype.handle: dtype for dtype, datatype in DATATYPES.items()}
+
+    def apply(inbuf, outbuf, datatype) -> None:
+        dtype = dtypes[datatype.handle]
+        out = np.frombuffer(outbuf, dtype)
+        ufunc(np.frombuffer(inbuf, dtype), out, out=out)
+
+    return MPI.Op.Create(apply, commute=True)
+
+
+#: MAX and MIN of floating-point arrays that keep NaN whatever the ranks'
+#: order, as ``numpy.maximum`` and ``numpy.minimum`` do. MPI's ``MAX`` and
+#: ``MIN`` compare with ``>`` and ``<``, so a NaN survives or not depending on
+#: where the ranks' values meet it (with MPICH, on some ranks and not on
+#: others). A tie between -0.0 and 0.0 may give either, as in numpy.
+NAN_MAX = NAN_MIN = None
+#: The MPI operation of each name the table below uses.
+_MPI_OPS: dict[str, object] = {}
+if MPI is not None:
+    NAN_MAX, NAN_MIN = _elementwise(np.maximum), _elementwise(np.minimum)
+    _MPI_OPS = {
+        **{name: getattr(MPI, name) for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR")},
+        **{name: getattr(MPI, name) for name in ("BXOR", "LAND", "LOR", "LXOR")},
+        "NAN_MAX": NAN_MAX,
+        "NAN_MIN": NAN_MIN,
+    }
+
+#: The numpy ufunc of each MPI reduction ferrompi uses, by the operation's
+#: handle: what the node engine and the simulated communicator compute.
+UFUNCS: dict[int, object] = {}
+if MPI is not None:
+    UFUNCS = {
+        op.handle: ufunc
+        for op, ufunc in (
+            (MPI.SUM, np.add),
+            (MPI.PROD, np.multiply),
+            (MPI.MIN, np.minimum),
+            (MPI.MAX, np.maximum),
+            (MPI.BAND, np.bitwise_and),
+            (MPI.BOR, np.bitwise_or),
+            (MPI.BXOR, np.bitwise_xor),
+            (MPI.LAND, np.logical_and),
+            (MPI.LOR, np.logical_or),
+            (MPI.LXOR, np.logical_xor),
+            (NAN_MIN, np.minimum),
+            (NAN_MAX, np.maximum),
+        )
+    }
+
 # Per dtype kind: ReduceOp -> name of the MPI op. MEAN is a SUM followed by a
 # division, so it appears only for the kinds where the division is exact in type.
 _NUMERIC = {"SUM": "SUM", "PRODUCT": "PROD", "MIN": "MIN", "MAX": "MAX"}
@@ -59,7 +120,7 @@ _OPS_BY_KIND: dict[str, dict[str, str]] = {
     },
     "i": {**_NUMERIC, **_BITWISE},
     "u": {**_NUMERIC, **_BITWISE},
-    "f": {**_NUMERIC, "MEAN": "SUM"},
+    "f": {**_NUMERIC, "MIN": "NAN_MIN", "MAX": "NAN_MAX", "MEAN": "SUM"},
     "c": {"SUM": "SUM", "PRODUCT": "PROD", "MEAN": "SUM"},
 }
 _KIND_NAMES = {
@@ -104,7 +165,7 @@ def mpi_op(op: ReduceOp, dtype: np.dtype) -> tuple[object, bool]:
             f"ReduceOp.{op.name} is not defined for {_KIND_NAMES[dtype.kind]} dtype "
             f"{dtype} (allowed: {allowed})"
         )
-    result = (getattr(MPI, name), op is ReduceOp.MEAN)
+    result = (_MPI_OPS[name], op is ReduceOp.MEAN)
     _OP_CACHE[key] = result
     return result
 

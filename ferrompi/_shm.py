@@ -83,6 +83,7 @@ import threading
 import numpy as np
 
 from . import _status_board
+from ._dtypes import UFUNCS as _UFUNCS
 from ._mpi import MPI
 from .errors import InvalidArgument
 
@@ -164,26 +165,6 @@ _PAGE = 4096  # rounds start on page boundaries of the window
 #: lines than one core's L2 holds slowed larger calls (docs/performance.md,
 #: "Where the constants in the code come from").
 RING_BYTES = 2 << 20
-
-# numpy ufunc of each MPI reduction the engine performs, by the op's handle
-_UFUNCS = {}
-if MPI is not None:
-    _UFUNCS = {
-        op.handle: ufunc
-        for op, ufunc in (
-            (MPI.SUM, np.add),
-            (MPI.PROD, np.multiply),
-            (MPI.MIN, np.minimum),
-            (MPI.MAX, np.maximum),
-            (MPI.BAND, np.bitwise_and),
-            (MPI.BOR, np.bitwise_or),
-            (MPI.BXOR, np.bitwise_xor),
-            (MPI.LAND, np.logical_and),
-            (MPI.LOR, np.logical_or),
-            (MPI.LXOR, np.logical_xor),
-        )
-    }
-
 
 # (index in _UFUNCS, ufunc) by the op's handle: one lookup per call
 _REDUCTIONS = {handle: (i, ufunc) for i, (handle, ufunc) in enumerate(_UFUNCS.items())}

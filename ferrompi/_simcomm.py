@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from ._dtypes import UFUNCS as _UFUNCS
 from ._mpi import MPI
 from .errors import CommunicationError, DistributedError
 
@@ -38,24 +39,6 @@ __all__ = ["EAGER_LIMIT", "SimComm", "SimGroup", "SimRequest", "SimUniverse"]
 
 #: Largest message (bytes) whose send completes before it is matched.
 EAGER_LIMIT = 65536
-
-
-def _reduce_ufuncs() -> dict[int, object]:
-    return {
-        MPI.SUM.handle: np.add,
-        MPI.PROD.handle: np.multiply,
-        MPI.MIN.handle: np.minimum,
-        MPI.MAX.handle: np.maximum,
-        MPI.BAND.handle: np.bitwise_and,
-        MPI.BOR.handle: np.bitwise_or,
-        MPI.BXOR.handle: np.bitwise_xor,
-        MPI.LAND.handle: np.logical_and,
-        MPI.LOR.handle: np.logical_or,
-        MPI.LXOR.handle: np.logical_xor,
-    }
-
-
-_UFUNCS: dict[int, object] = _reduce_ufuncs() if MPI is not None else {}
 
 
 class SimUniverse:

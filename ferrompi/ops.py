@@ -34,7 +34,9 @@ class ReduceOp(enum.Enum):
 
     Other combinations raise :class:`~ferrompi.UnsupportedOp` before any
     communication. The bool rules are torch's (NCCL maps SUM to MAX and
-    PRODUCT to MIN for bool tensors).
+    PRODUCT to MIN for bool tensors). MIN and MAX of floating-point arrays
+    keep NaN whatever the rank that holds it, as ``numpy.minimum`` and
+    ``numpy.maximum`` do (``docs/collectives.md``, "Reductions").
     """
 
     SUM = "sum"

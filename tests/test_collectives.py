@@ -958,3 +958,60 @@ def test_host_pool_gives_live_arrays_their_own_memory_across_threads():
     for t in threads:
         t.join()
     assert clashes == []
+
+
+# ---------------------------------------------------------------------------
+# MAX and MIN keep NaN whatever the rank order (numpy.maximum / minimum)
+# ---------------------------------------------------------------------------
+
+
+def _special_values(size: int, rows: int, dtype, nan_rank: int) -> list[np.ndarray]:
+    """Every rank's input: one NaN per rank that holds one, ±inf, -0.0 and numbers.
+
+    Rank ``nan_rank`` (every rank, for -1) puts a NaN in element ``2 * r``
+    of its rows; element 1 holds -inf on rank 0 and +inf on the last rank.
+    """
+    arrays = []
+    for r in range(size):
+        a = rank_data(r, (rows,), dtype, seed=3).astype(dtype)
+        if nan_rank in (r, -1):
+            a[(2 * r) % rows] = np.nan
+        a[1 % rows] = -np.inf if r == 0 else (np.inf if r == size - 1 else a[1 % rows])
+        arrays.append(a)
+    return arrays
+
+
+def _nan_reductions(b, dtype, rows: int, nan_rank: int):
+    """allreduce (blocking and async), reduce_scatter and reduce_scatter_v of MAX and MIN
+    against numpy's maximum / minimum over the ranks' arrays, NaN included."""
+    size, rank = b.world_size, b.rank
+    inputs = _special_values(size, rows * size, dtype, nan_rank)
+    for op, ufunc in ((fm.ReduceOp.MAX, np.maximum), (fm.ReduceOp.MIN, np.minimum)):
+        want = ufunc.reduce(np.stack(inputs))
+        mine = inputs[rank]
+        np.testing.assert_array_equal(fm.allreduce(mine, b, op), want)
+        np.testing.assert_array_equal(fm.async_allreduce(mine, b, op).wait(), want)
+        chunk = want[rank * rows : (rank + 1) * rows]
+        np.testing.assert_array_equal(fm.reduce_scatter(mine, b, op), chunk)
+        np.testing.assert_array_equal(fm.reduce_scatter_v(mine, [rows] * size, b, op), chunk)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_max_and_min_keep_nan_whatever_the_rank_order(group, dtype):
+    # a NaN on each rank in turn, on none and on every rank; 4 elements per
+    # rank (MPI) and 8192 (from 16 KiB of float32 and float64: the node engine)
+    for rows in (4, 8192):
+        for nan_rank in (*range(group.size), -1, group.size):
+            group.run(_nan_reductions, dtype, rows, nan_rank)
+
+
+def _partial_max_to_replicate(b):
+    mesh = fm.init_device_mesh(b, (b.world_size,))
+    local = np.array([np.nan if b.rank == 0 else 1.0, float(b.rank)])
+    dt = fm.DTensor.from_local(local, mesh, [fm.Partial(fm.ReduceOp.MAX)], (2,))
+    return dt.full_tensor()
+
+
+def test_a_partial_max_keeps_a_nan_of_rank_0(group):
+    for full in group.run(_partial_max_to_replicate):
+        np.testing.assert_array_equal(full, [np.nan, group.size - 1.0])
