@@ -33,7 +33,7 @@ import weakref
 import numpy as np
 
 from . import gpu
-from ._dtypes import DATATYPES, mpi_datatype
+from ._dtypes import BFLOAT16, DATATYPES, mpi_datatype
 from ._simcomm import SimComm
 from .errors import InvalidArgument, InvalidRank
 
@@ -127,7 +127,7 @@ def staged(comm) -> bool:
 
 
 def _numeric(dtype: np.dtype, op: str) -> None:
-    if dtype.kind not in "biufc":
+    if dtype.kind not in "biufc" and dtype != BFLOAT16:
         raise InvalidArgument(f"{op}: dtype {dtype} is not supported (numeric or bool only)")
 
 
@@ -363,6 +363,12 @@ def check_out(out, shape: tuple[int, ...], dtype: np.dtype, op: str):
 def copy_into(dst, src) -> None:
     """Copy ``src`` into ``dst``, host or device, either way; returns once it is there."""
     kind_of(dst).copy_into(dst, src)
+
+
+def buffer_of(x: np.ndarray) -> memoryview:
+    """``memoryview(x)`` of a numpy array, bfloat16 included (as uint16: numpy exports
+    no buffer of ml_dtypes' types)."""
+    return memoryview(x.view(np.uint16) if x.dtype is BFLOAT16 else x)
 
 
 def is_device(x) -> bool:

@@ -1,11 +1,16 @@
-"""numpy dtype -> predefined MPI datatype, and which reductions each dtype allows.
+"""numpy dtype -> MPI datatype, and which reductions each dtype allows.
 
-Both lookups are cached per dtype (and per ``(ReduceOp, dtype)``), so the hot
-path of a collective pays one dictionary access for each.
+The dtypes numpy and MPI share map to MPI's predefined datatypes; bfloat16
+(numpy's side: ``ml_dtypes.bfloat16``, torch's ``torch.bfloat16``), which MPI
+lacks, travels as a datatype of its own, two bytes wide, reduced by MPI
+user-defined operations that compute in bfloat16 with numpy's ufuncs. Both
+lookups are cached per dtype (and per ``(ReduceOp, dtype)``), so the hot path
+of a collective pays one dictionary access for each.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from ._mpi import MPI
@@ -20,17 +25,39 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "NAN_MAX",
     "NAN_MIN",
+    "UFUNCS",
+    "BFLOAT16",
+    "dtype_code",
+    "dtype_of_code",
 ]
 
 #: Type characters of the dtypes numpy and MPI share (MPI predefined datatypes).
 _CODES = "?bBhHiIlLqQefdgFDG"
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(c) for c in _CODES)
 
-#: numpy dtype -> predefined MPI datatype (empty without MPI).
+#: bfloat16, as numpy knows it (``ml_dtypes``); not among SUPPORTED_DTYPES,
+#: which are those HDF5 checkpoints store.
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+#: numpy dtype -> MPI datatype (empty without MPI): the predefined ones, and
+#: for bfloat16 a duplicate of ``MPI.UINT16_T``, which user-defined operations
+#: recognise by its handle.
 DATATYPES: dict[np.dtype, object] = {}
 if MPI is not None:
     for _dt in SUPPORTED_DTYPES:
         DATATYPES[_dt] = MPI.Datatype.fromcode(_dt.char)
+    DATATYPES[BFLOAT16] = MPI.UINT16_T.Dup()
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """One int naming ``dtype`` in the headers ranks exchange (:func:`dtype_of_code`)."""
+    return ord(dtype.char)
+
+
+def dtype_of_code(code: int) -> np.dtype:
+    """The dtype :func:`dtype_code` named ``code`` (bfloat16's character is not numpy's)."""
+    text = chr(code)
+    return BFLOAT16 if text == BFLOAT16.char else np.dtype(text)
 
 
 def mpi_datatype(dtype: np.dtype) -> object:
@@ -45,7 +72,7 @@ def mpi_datatype(dtype: np.dtype) -> object:
         return DATATYPES[dtype]
     except KeyError:
         pass
-    names = dict.fromkeys(str(d) for d in SUPPORTED_DTYPES)  # int64 is both l and q
+    names = dict.fromkeys(str(d) for d in (*SUPPORTED_DTYPES, BFLOAT16))  # int64: l and q
     raise InvalidArgument(
         f"dtype {np.dtype(dtype)} is not supported; supported dtypes are " + ", ".join(names)
     )
@@ -71,15 +98,20 @@ def _elementwise(ufunc) -> object:
 #: where the ranks' values meet it (with MPICH, on some ranks and not on
 #: others). A tie between -0.0 and 0.0 may give either, as in numpy.
 NAN_MAX = NAN_MIN = None
+#: SUM and PRODUCT of bfloat16, which MPI cannot add or multiply.
+ELEMENTWISE_SUM = ELEMENTWISE_PROD = None
 #: The MPI operation of each name the table below uses.
 _MPI_OPS: dict[str, object] = {}
 if MPI is not None:
     NAN_MAX, NAN_MIN = _elementwise(np.maximum), _elementwise(np.minimum)
+    ELEMENTWISE_SUM, ELEMENTWISE_PROD = _elementwise(np.add), _elementwise(np.multiply)
     _MPI_OPS = {
         **{name: getattr(MPI, name) for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR")},
         **{name: getattr(MPI, name) for name in ("BXOR", "LAND", "LOR", "LXOR")},
         "NAN_MAX": NAN_MAX,
         "NAN_MIN": NAN_MIN,
+        "ELEMENTWISE_SUM": ELEMENTWISE_SUM,
+        "ELEMENTWISE_PROD": ELEMENTWISE_PROD,
     }
 
 #: The numpy ufunc of each MPI reduction ferrompi uses, by the operation's
@@ -101,6 +133,8 @@ if MPI is not None:
             (MPI.LXOR, np.logical_xor),
             (NAN_MIN, np.minimum),
             (NAN_MAX, np.maximum),
+            (ELEMENTWISE_SUM, np.add),
+            (ELEMENTWISE_PROD, np.multiply),
         )
     }
 
@@ -122,6 +156,14 @@ _OPS_BY_KIND: dict[str, dict[str, str]] = {
     "u": {**_NUMERIC, **_BITWISE},
     "f": {**_NUMERIC, "MIN": "NAN_MIN", "MAX": "NAN_MAX", "MEAN": "SUM"},
     "c": {"SUM": "SUM", "PRODUCT": "PROD", "MEAN": "SUM"},
+    # bfloat16, the one dtype of kind "V" that mpi_datatype accepts
+    "V": {
+        "SUM": "ELEMENTWISE_SUM",
+        "PRODUCT": "ELEMENTWISE_PROD",
+        "MIN": "NAN_MIN",
+        "MAX": "NAN_MAX",
+        "MEAN": "ELEMENTWISE_SUM",
+    },
 }
 _KIND_NAMES = {
     "b": "bool",
@@ -129,6 +171,7 @@ _KIND_NAMES = {
     "u": "unsigned integer",
     "f": "floating",
     "c": "complex",
+    "V": "floating",
 }
 
 _OP_CACHE: dict[tuple[ReduceOp, np.dtype], tuple[object, bool]] = {}

@@ -84,6 +84,7 @@ import numpy as np
 
 from . import _status_board
 from ._dtypes import UFUNCS as _UFUNCS
+from ._dtypes import dtype_code, dtype_of_code
 from ._mpi import MPI
 from .errors import InvalidArgument
 
@@ -176,12 +177,12 @@ def _signature(kind: int, x: np.ndarray, op: int = 255) -> int:
 
     ``op`` is the reduction's index in :data:`_REDUCTIONS` (255: none).
     """
-    return x.nbytes << 24 | kind << 16 | ord(x.dtype.char) << 8 | op
+    return x.nbytes << 24 | kind << 16 | dtype_code(x.dtype) << 8 | op
 
 
 def _describe_call(signature: int) -> str:
     nbytes, kind = signature >> 24, (signature >> 16) & 0xFF
-    dtype, op = np.dtype(chr((signature >> 8) & 0xFF)), signature & 0xFF
+    dtype, op = dtype_of_code((signature >> 8) & 0xFF), signature & 0xFF
     ufunc = "" if op == 255 else f" ({list(_UFUNCS.values())[op].__name__})"
     return f"{_KINDS[kind]}{ufunc} of {nbytes} bytes of {dtype}"
 

@@ -49,6 +49,7 @@ from ._arrays import (
     HOST,
     POOL_FROM,
     as_input,
+    buffer_of,
     check_out,
     check_rank,
     copy_into,
@@ -392,7 +393,7 @@ def _targets(out: Sequence, xs: list, name: str) -> tuple[list, list, bool]:
     targets, sinks, direct = [], [], True
     for o, x in zip(out, xs, strict=True):
         if type(o) is _ndarray and o.shape == x.shape and o.dtype == x.dtype:
-            view = memoryview(o)
+            view = buffer_of(o)
             if not view.readonly and view.c_contiguous:
                 targets.append(o)
                 sinks.append(view.cast("B") if o.size else _NO_BYTES)
@@ -419,13 +420,13 @@ def _unpack(fused, parts: list, ends: list[int], targets: list, sinks: list, dir
     views' byte counts.
     """
     if direct and type(fused) is _ndarray:  # every target has a byte view: no arithmetic
-        whole, start = memoryview(fused).cast("B"), 0
+        whole, start = buffer_of(fused).cast("B"), 0
         for sink in sinks:
             stop = start + sink.nbytes
             sink[:] = whole[start:stop]
             start = stop
         return
-    whole = memoryview(fused).cast("B") if type(fused) is _ndarray else None
+    whole = buffer_of(fused).cast("B") if type(fused) is _ndarray else None
     item = fused.itemsize
     for x, end, target, sink in zip(parts, ends, targets, sinks, strict=True):
         if whole is not None and sink is not None:

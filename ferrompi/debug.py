@@ -49,7 +49,7 @@ import os
 import numpy as np
 
 from . import _status_board
-from ._dtypes import mpi_datatype
+from ._dtypes import BFLOAT16, mpi_datatype
 from .ops import ReduceOp
 
 __all__ = ["is_debug", "set_debug"]
@@ -96,11 +96,15 @@ def is_debug() -> bool:
 def _encode_dtype(dtype) -> int:
     if dtype is None:
         return 0
-    return int.from_bytes(np.dtype(dtype).str.encode()[:8].ljust(8, b"\0"), "little")
+    dtype = np.dtype(dtype)
+    text = dtype.name if dtype == BFLOAT16 else dtype.str  # its str, <V2, names no type
+    return int.from_bytes(text.encode()[:8].ljust(8, b"\0"), "little")
 
 
 def _decode_dtype(code: int) -> str:
     text = int(code).to_bytes(8, "little").rstrip(b"\0").decode(errors="replace")
+    if text == BFLOAT16.name:
+        return text
     try:
         return np.dtype(text).name
     except TypeError:

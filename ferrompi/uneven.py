@@ -28,8 +28,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._arrays import HOST, check_out, datatype_of, is_device, kind_of, output, overlaps
+from ._arrays import (
+    HOST,
+    buffer_of,
+    check_out,
+    datatype_of,
+    is_device,
+    kind_of,
+    output,
+    overlaps,
+)
 from ._call import STEPS, conclusion, run
+from ._dtypes import dtype_code, dtype_of_code
 from ._mpi import MPI
 from ._progress import wait_step
 from ._rows import alltoallv_call, gathered_rows, row_counts, row_size, scattered_rows
@@ -141,7 +151,7 @@ def _uneven(state, seconds: float, args: tuple) -> tuple:
     layout = _table_layout(size)
     fits = layout.room > 0 and x.nbytes <= layout.room and _host_rows(like, out)
     inline = x.nbytes if fits else -1  # the bytes of x carried in its table record
-    header = (*send, *([-1] * size if recv is None else recv), row, ord(x.dtype.char), out_rows)
+    header = (*send, *([-1] * size if recv is None else recv), row, dtype_code(x.dtype), out_rows)
     args = (state, seconds, layout, header, x, inline, kind, like, out, send, row, dt)
     return (-1, x.shape, x.dtype, None, -1), None, _uneven_steps, args, None, None, None, STEPS
 
@@ -175,7 +185,7 @@ def _uneven_steps(state, seconds, layout, header, x, inline, kind, like, out, se
             raise
     if pieces is not None:  # every rank's rows came with its record: no second exchange
         if buf.size:
-            memoryview(buf).cast("B")[:] = b"".join(pieces)
+            buffer_of(buf).cast("B")[:] = b"".join(pieces)
         if buf is not result:
             rkind.copy_into(result, buf)  # the caller's out, or a device result of a staged input
         state.end(DONE)
@@ -308,7 +318,7 @@ def _gathered_check(
         record = bytearray(layout.record.size)
         layout.row.pack_into(record, 0, *header, inline)
         start = layout.row.size
-        memoryview(record)[start : start + inline] = memoryview(x).cast("B")
+        memoryview(record)[start : start + inline] = buffer_of(x).cast("B")
     else:
         record = layout.record.pack(*header, inline)
     records = bytearray(layout.record.size * state.size)
@@ -384,7 +394,7 @@ def _uneven_check(
     elements, codes = flat[2 * size :: width], flat[2 * size + 1 :: width]
     if elements.count(elements[0]) != size or codes.count(codes[0]) != size:
         each = ", ".join(
-            f"rank {r}: {n} elements of {np.dtype(chr(code))}"
+            f"rank {r}: {n} elements of {dtype_of_code(code)}"
             for r, (n, code) in enumerate(zip(elements, codes, strict=True))
         )
         return [], [f"ranks disagree on the row size or dtype (rows of {each})"], None
@@ -484,7 +494,7 @@ def _all_gather_v(state, seconds: float, args: tuple) -> tuple:
     header = np.full(4 + size, -1, dtype=np.int64)
     header[0] = x.shape[0]
     header[1] = row_size(x)
-    header[2] = ord(x.dtype.char)
+    header[2] = dtype_code(x.dtype)
     header[3] = x.ndim
     if given is not None:
         header[4:] = given
@@ -551,7 +561,8 @@ def _gather_problems(table: np.ndarray) -> list[str]:
     rows, row, dtypes, ndims = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
     if (row != row[0]).any() or (dtypes != dtypes[0]).any() or (ndims != ndims[0]).any():
         each = ", ".join(
-            f"rank {r}: {int(ndims[r])}-d, {int(row[r])} elements of {np.dtype(chr(dtypes[r]))}"
+            f"rank {r}: {int(ndims[r])}-d, {int(row[r])} elements of "
+            f"{dtype_of_code(int(dtypes[r]))}"
             for r in range(len(table))
         )
         return [f"ranks disagree on the row shape or dtype (rows of {each})"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 from support import rank_data
@@ -996,10 +997,10 @@ def _nan_reductions(b, dtype, rows: int, nan_rank: int):
         np.testing.assert_array_equal(fm.reduce_scatter_v(mine, [rows] * size, b, op), chunk)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
 def test_max_and_min_keep_nan_whatever_the_rank_order(group, dtype):
     # a NaN on each rank in turn, on none and on every rank; 4 elements per
-    # rank (MPI) and 8192 (from 16 KiB of float32 and float64: the node engine)
+    # rank (MPI) and 8192 (16 KiB and more: the node engine)
     for rows in (4, 8192):
         for nan_rank in (*range(group.size), -1, group.size):
             group.run(_nan_reductions, dtype, rows, nan_rank)
@@ -1015,3 +1016,60 @@ def _partial_max_to_replicate(b):
 def test_a_partial_max_keeps_a_nan_of_rank_0(group):
     for full in group.run(_partial_max_to_replicate):
         np.testing.assert_array_equal(full, [np.nan, group.size - 1.0])
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 (ml_dtypes on numpy's side): every reduction, every path
+# ---------------------------------------------------------------------------
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bfloat16_everywhere(b, rows: int):
+    """Each collective on bfloat16 against the same in float64, where every value
+    and every partial result is exact in bfloat16 (quarters up to 64)."""
+    size, rank = b.world_size, b.rank
+    inputs = [rank_data(r, (rows * size,), np.float64, seed=5) for r in range(size)]
+    mine = inputs[rank].astype(BF16)
+    stacked = np.stack(inputs)
+    for op, want in (
+        (fm.ReduceOp.SUM, stacked.sum(0)),
+        (fm.ReduceOp.MEAN, stacked.sum(0) / size),
+        (fm.ReduceOp.MAX, stacked.max(0)),
+        (fm.ReduceOp.MIN, stacked.min(0)),
+    ):
+        got = fm.allreduce(mine, b, op)
+        assert got.dtype == BF16
+        np.testing.assert_array_equal(got.astype(np.float64), want.astype(BF16).astype(np.float64))
+        part = fm.reduce_scatter(mine, b, op)
+        chunk = want[rank * rows : (rank + 1) * rows]
+        np.testing.assert_array_equal(part.astype(np.float64), chunk.astype(BF16).astype(float))
+    product = fm.allreduce(np.full(4, 2.0, BF16), b, fm.ReduceOp.PRODUCT)
+    np.testing.assert_array_equal(product.astype(np.float64), np.full(4, 2.0**size))
+    gathered = fm.all_gather(mine, b)
+    np.testing.assert_array_equal(gathered.astype(float), np.concatenate(inputs))
+    np.testing.assert_array_equal(fm.broadcast(mine, b, root=size - 1).astype(float), inputs[-1])
+    split = [rows] * size
+    moved = fm.all_to_all_single_uneven(mine, split, None, b)
+    want_rows = np.concatenate([x[rank * rows : (rank + 1) * rows] for x in inputs])
+    np.testing.assert_array_equal(moved.astype(float), want_rows)
+    fused = fm.allreduce_coalesced([mine, mine[:3], np.ones(2)], b)
+    np.testing.assert_array_equal(fused[1].astype(float), stacked.sum(0)[:3])
+    assert fused[1].dtype == BF16 and fused[2].dtype == np.float64
+    if size > 1:
+        ring = fm.sendrecv(mine, mine.shape, (rank + 1) % size, b, source=(rank - 1) % size)
+        np.testing.assert_array_equal(ring.astype(float), inputs[(rank - 1) % size])
+
+
+@pytest.mark.parametrize("rows", [4, 8192])
+def test_bfloat16_in_every_collective(group, rows):
+    group.run(_bfloat16_everywhere, rows)
+
+
+def test_bfloat16_names_itself_in_errors():
+    def f(b):
+        x = np.ones(3, BF16 if b.rank == 0 else np.float16)
+        with pytest.raises(fm.InvalidArgument, match="bfloat16"):
+            fm.all_gather_v(x, None, b)
+
+    fm.SimulatedBackend.run(2, f)

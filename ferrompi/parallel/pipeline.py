@@ -48,6 +48,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .. import p2p
+from .._dtypes import dtype_code, dtype_of_code
 from ..backend import Backend
 from ..errors import DistributedError, InvalidArgument
 from ..groups import destroy_process_group
@@ -168,14 +169,14 @@ class Pipeline:
 
     def _send(self, array: np.ndarray, dst: int, tag: int, pending: list) -> None:
         header = np.zeros(_HEADER, np.int64)
-        header[0], header[1] = ord(array.dtype.char), array.ndim
+        header[0], header[1] = dtype_code(array.dtype), array.ndim
         header[2 : 2 + array.ndim] = array.shape
         pending.append(p2p.isend(header, dst, self.group, tag))
         pending.append(p2p.isend(np.ascontiguousarray(array), dst, self.group, tag))
 
     def _recv(self, src: int, tag: int) -> np.ndarray:
         header = p2p.recv((_HEADER,), src, self.group, np.int64, tag)
-        dtype = np.dtype(chr(int(header[0])))
+        dtype = dtype_of_code(int(header[0]))
         return p2p.recv(
             tuple(int(d) for d in header[2 : 2 + header[1]]), src, self.group, dtype, tag
         )
