@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import math
+import sys
 import threading
 import weakref
 
@@ -316,16 +317,135 @@ class _Device(ArrayKind):
                 dst[...] = src
 
 
+def _torch():
+    """The torch module, which a tensor's presence means is imported (torch is optional)."""
+    return sys.modules["torch"]
+
+
+def _torch_dtype(dtype: np.dtype):
+    """The torch dtype of numpy's ``dtype``."""
+    torch = _torch()
+    if dtype is BFLOAT16:
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def dtype_and_kind(dtype) -> tuple[np.dtype, ArrayKind]:
+    """numpy's dtype for ``dtype`` (anything ``numpy.dtype`` takes, or a torch dtype),
+    and the kind of array it names (:data:`TORCH` for a torch dtype, else :data:`HOST`).
+
+    Raises
+    ------
+    TypeError
+        If ``dtype`` is neither.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        if dtype == torch.bfloat16:
+            return BFLOAT16, TORCH
+        return torch.empty(0, dtype=dtype).numpy().dtype, TORCH
+    return np.dtype(dtype), HOST
+
+
+def layout(x) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and numpy dtype of the array ``x`` of any kind (numpy, cupy, torch)."""
+    if type(x) is _ndarray or kind_of(x) is not TORCH:
+        return x.shape, x.dtype
+    return tuple(x.shape), dtype_and_kind(x.dtype)[0]
+
+
+def _numpy_view(t, op: str = "") -> np.ndarray:
+    """The numpy array over the memory of the CPU tensor ``t`` (bfloat16 included).
+
+    Raises
+    ------
+    InvalidArgument
+        For a dtype numpy has no counterpart of (float8, ...).
+    """
+    torch = _torch()
+    if t.dtype == torch.bfloat16:  # numpy knows no torch.bfloat16: its bits, viewed
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    try:
+        return t.numpy()
+    except TypeError:
+        raise InvalidArgument(f"{op}: dtype {t.dtype} is not supported") from None
+
+
+class _Torch(ArrayKind):
+    """CPU torch tensors: MPI reads and writes their memory through numpy views.
+
+    The input goes to MPI without a copy when it is contiguous (``requires_grad``
+    is ignored: the data is read, not the graph); results are torch tensors
+    whose memory MPI writes directly, ``out=`` included.
+    """
+
+    __slots__ = ()
+
+    def module(self, op: str):
+        return _torch()
+
+    def input(self, x, op: str, comm=None):
+        if x.device.type != "cpu":
+            raise InvalidArgument(
+                f"{op}: a torch tensor on {x.device} has no __cuda_array_interface__ "
+                "ferrompi can hand MPI; CPU and CUDA tensors are supported"
+            )
+        view = _numpy_view(x.detach().resolve_conj().resolve_neg(), op)
+        _numeric(view.dtype, op)
+        return view if view.flags.c_contiguous else np.ascontiguousarray(view)
+
+    def new_output(self, like, shape, dtype, op, comm=None):
+        result = _torch().empty(shape, dtype=_torch_dtype(dtype), device="cpu")
+        return result, _numpy_view(result), self
+
+    def take_out(self, out, shape, dtype, op, comm=None):
+        view = _numpy_view(self.check_out(out, shape, dtype, op).detach())
+        return out, view if view.flags.c_contiguous else host_empty(shape, dtype), self
+
+    def check_out(self, out, shape, dtype, op):
+        if not isinstance(out, _torch().Tensor) or out.device.type != "cpu":
+            raise _not_an_array(out, op)
+        if tuple(out.shape) != shape or out.dtype != _torch_dtype(dtype):
+            raise InvalidArgument(
+                f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                f"expected shape {shape} and dtype {_torch_dtype(dtype)}"
+            )
+        return out
+
+    def wrap(self, buf: np.ndarray):
+        """A tensor over the host array ``buf`` (no copy): a result made of a fused buffer."""
+        torch = _torch()
+        if buf.dtype is BFLOAT16:
+            return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(buf)
+
+    def copy_into(self, dst, src) -> None:
+        view = _numpy_view(dst.detach())
+        if not isinstance(src, _ndarray):  # a device array
+            gpu.to_host(src, view)
+        elif not np.may_share_memory(view, src):  # else MPI wrote dst itself
+            view[...] = src
+
+
 #: numpy arrays and what ``numpy.asarray`` takes.
 HOST = _Host()
 
 #: Device arrays: cupy, or any object with ``__cuda_array_interface__``.
 DEVICE = _Device()
 
+#: torch tensors on the CPU.
+TORCH = _Torch()
+
 
 def kind_of(x) -> ArrayKind:
-    """The adapter of ``x``'s kind: :data:`DEVICE` for device arrays, else :data:`HOST`."""
-    return HOST if type(x) is _ndarray or not hasattr(x, _CAI) else DEVICE
+    """The adapter of ``x``'s kind: :data:`TORCH` for CPU torch tensors, :data:`DEVICE`
+    for device arrays (CUDA tensors among them), else :data:`HOST`."""
+    if type(x) is _ndarray:
+        return HOST
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor) and not x.is_cuda:
+        return TORCH
+    return DEVICE if hasattr(x, _CAI) else HOST
 
 
 def as_input(x, op: str, comm=None):

@@ -29,6 +29,7 @@ __all__ = [
     "BFLOAT16",
     "dtype_code",
     "dtype_of_code",
+    "torch_reduce_op",
 ]
 
 #: Type characters of the dtypes numpy and MPI share (MPI predefined datatypes).
@@ -235,3 +236,13 @@ def reduction(op: ReduceOp, dtype: np.dtype, name: str) -> tuple[object, object,
     mop, mean = mpi_op(op, dtype)
     _REDUCTIONS[id(op), dtype] = entry = (dt, mop, mean)
     return entry
+
+
+def torch_reduce_op(op, x) -> tuple[ReduceOp, object]:
+    """``(ReduceOp, x)`` for torch's reduction ``op`` (:meth:`ReduceOp.of`): its member,
+    and ``x`` (MPI's input buffer) multiplied by ``PREMUL_SUM``'s factor, in its dtype.
+    """
+    member, factor = ReduceOp.of(op)
+    if factor is not None:
+        x = (x * factor).astype(x.dtype, copy=False)
+    return member, x

@@ -17,7 +17,7 @@ import numpy as np
 
 from ._arrays import datatype_of, kind_of, output
 from ._call import conclusion, run
-from ._dtypes import mpi_op
+from ._dtypes import mpi_op, torch_reduce_op
 from ._status_board import OPCODE
 from .backend import Backend
 from .errors import InvalidArgument
@@ -115,6 +115,8 @@ def scattered_rows(state, seconds: float, args: tuple) -> tuple:
     name = "reduce_scatter_v"
     kind = kind_of(x)
     like, x = x, kind.input(x, name, state.comm)
+    if type(op) is not ReduceOp:  # torch's
+        op, x = torch_reduce_op(op, x)
     dt = datatype_of(x, name)
     mop, mean = mpi_op(op, x.dtype)
     counts = row_counts(counts, state.size, name)

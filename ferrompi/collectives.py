@@ -48,7 +48,7 @@ import numpy as np
 from ._arrays import (
     HOST,
     POOL_FROM,
-    as_input,
+    TORCH,
     buffer_of,
     check_out,
     check_rank,
@@ -62,7 +62,7 @@ from ._arrays import (
     plain_pair,
 )
 from ._call import barrier_call, conclusion, run
-from ._dtypes import reduction
+from ._dtypes import reduction, torch_reduce_op
 from ._mpi import MPI
 from ._progress import PendingCollective, timeout_seconds
 from ._status_board import OPCODE, OPS
@@ -147,6 +147,8 @@ def _allreduce(state, seconds: float, args: tuple) -> tuple:
     if type(x) is not _ndarray or not x.flags.c_contiguous or not x.dtype.isnative:
         kind = kind_of(x)
         x = kind.input(x, name, state.comm)
+    if type(op) is not ReduceOp:  # torch's
+        op, x = torch_reduce_op(op, x)
     dtype = x.dtype
     dt, mop, mean = reduction(op, dtype, name)
     if out is None and kind is None:  # small ones skip host_empty's call
@@ -311,9 +313,13 @@ def allreduce_coalesced(
         if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
             raise InvalidArgument(f"{name}: arrays must be a list or tuple of arrays")
         on_device: dict[np.dtype, object] = {}  # dtype -> its first device array: fuse there
+        kinds: dict[int, object] = {}  # index of a torch tensor -> its kind, for its result
 
-        def prepare(x):
-            x = as_input(x, name)  # a device array stays on its device
+        def prepare(i, x):
+            kind = kind_of(x)
+            if kind is TORCH:
+                kinds[i] = kind
+            x = kind.input(x, name)  # a device array stays on its device
             if not isinstance(x, _ndarray):
                 on_device.setdefault(x.dtype, x)
             return x
@@ -325,10 +331,14 @@ def allreduce_coalesced(
         else:
             dtypes = None
         if dtypes is None or not all(d.isnative for d in dtypes):
-            xs = [x if type(x) is _ndarray and x.dtype.isnative else prepare(x) for x in arrays]
+            xs = [
+                x if type(x) is _ndarray and x.dtype.isnative else prepare(i, x)
+                for i, x in enumerate(arrays)
+            ]
             dtypes = {x.dtype for x in xs}
+        member = op if type(op) is ReduceOp else ReduceOp.of(op)[0]  # torch's: checked as ours
         for dtype in dtypes:
-            reduction(op, dtype, name)
+            reduction(member, dtype, name)
         targets = sinks = None
         direct = False
         if out is not None:
@@ -374,10 +384,9 @@ def allreduce_coalesced(
             continue
         for i, x, end in zip(members, parts, ends, strict=True):
             part = fused[end - x.size : end].reshape(x.shape)
-            if first is None or not isinstance(x, _ndarray):
-                results[i] = part
-            else:  # a host array fused with device arrays of its dtype: back to the host
-                results[i] = part.get()
+            if first is not None and isinstance(x, _ndarray):
+                part = part.get()  # a host array fused with device arrays of its dtype
+            results[i] = kinds[i].wrap(part) if i in kinds else part
     return results if out is None else targets
 
 
@@ -633,6 +642,7 @@ def _reduce_scatter(state, seconds: float, args: tuple) -> tuple:
     name = OPS[opcode]
     if (
         type(x) is _ndarray
+        and type(op) is ReduceOp
         and x.ndim
         and not x.shape[0] % state.size
         and plain_pair(x, out, (x.shape[0] // state.size, *x.shape[1:])) is not None
@@ -643,6 +653,8 @@ def _reduce_scatter(state, seconds: float, args: tuple) -> tuple:
     else:
         kind = kind_of(x)
         like, x = x, kind.input(x, name, state.comm)
+        if type(op) is not ReduceOp:  # torch's
+            op, x = torch_reduce_op(op, x)
         dt, mop, mean = reduction(op, x.dtype, name)
         rows = _rows_divisible(x, state.size, name)
         shape = (rows, *x.shape[1:])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import enum
 
+from .errors import InvalidArgument
+
 __all__ = ["ReduceOp"]
 
 
@@ -51,3 +53,38 @@ class ReduceOp(enum.Enum):
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+    @classmethod
+    def of(cls, op) -> tuple[ReduceOp, float | None]:
+        """``(member, factor)`` for ``op``: a :class:`ReduceOp`, or torch's.
+
+        A ``torch.distributed.ReduceOp`` member maps to the member of the same
+        name (``AVG`` is ``MEAN``); torch's ``PREMUL_SUM`` (made by
+        ``torch.distributed._make_nccl_premul_sum(factor)``) is SUM of the
+        inputs multiplied by ``factor``, which comes back as the second item
+        (None otherwise).
+
+        Raises
+        ------
+        InvalidArgument
+            For anything else.
+
+        Examples
+        --------
+        >>> from ferrompi import ReduceOp
+        >>> ReduceOp.of(ReduceOp.MAX)
+        (ReduceOp.MAX, None)
+        """
+        if isinstance(op, ReduceOp):
+            return op, None
+        factor = None
+        if hasattr(op, "op") and hasattr(op, "factor"):  # a torch ReduceOp object
+            op, factor = op.op, op.factor
+        name = getattr(op, "name", None)
+        if name == "PREMUL_SUM" and factor is not None:
+            return cls.SUM, float(factor)
+        if type(op).__module__.startswith("torch") and name in cls.__members__:
+            return cls[name], None
+        raise InvalidArgument(
+            f"op must be a ferrompi.ReduceOp or a torch.distributed.ReduceOp, not {op!r}"
+        )

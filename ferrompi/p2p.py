@@ -31,9 +31,9 @@ from ._arrays import (
     as_input,
     check_rank,
     datatype_of,
-    host_empty,
-    is_device,
+    dtype_and_kind,
     kind_of,
+    layout,
     output,
     overlaps,
     plain_pair,
@@ -165,11 +165,13 @@ def _probed_recv(state, seconds: float, args: tuple) -> tuple:
     name = OPS[opcode]
     src = _peer(state, src, name, "src")
     tag = _tag(tag, name)
-    if not isinstance(out, np.ndarray) and not is_device(out):
+    if kind_of(out) is HOST and not isinstance(out, np.ndarray):
         raise InvalidArgument(
-            f"{name}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
+            f"{name}: out must be a numpy array (or a cupy array or torch tensor), "
+            f"not {type(out).__name__}"
         )
-    result, buf, rkind = output(HOST, None, out, out.shape, out.dtype, name, state.comm)
+    shape, dtype = layout(out)
+    result, buf, rkind = output(HOST, None, out, shape, dtype, name, state.comm)
     datatype_of(buf, name)  # a dtype MPI has
     finish, keep = conclusion(result, buf, 0, None, rkind)
     args = (state.comm, src, tag, buf, name)
@@ -195,9 +197,10 @@ def _shape(shape, name: str) -> tuple[int, ...]:
     return dims
 
 
-def _dtype(dtype, name: str) -> np.dtype:
+def _dtype(dtype, name: str) -> tuple[np.dtype, object]:
+    """numpy's dtype for ``dtype`` (a torch dtype too), and the kind of array it names."""
     try:
-        return np.dtype(dtype)
+        return dtype_and_kind(dtype)
     except TypeError:
         raise InvalidArgument(f"{name}: {dtype!r} is not a dtype") from None
 
@@ -284,7 +287,8 @@ def recv(
     CollectiveTimeout
         If no message arrives in time; says what ``src`` is doing.
     """
-    out = host_empty(_shape(shape, "recv"), _dtype(dtype, "recv"))
+    dtype, kind = _dtype(dtype, "recv")
+    out = kind.new_output(None, _shape(shape, "recv"), dtype, "recv")[0]
     return run(backend, _RECV, timeout, False, _probed_recv, (out, src, tag, _RECV)).wait()
 
 
@@ -330,8 +334,8 @@ def _irecv(state, seconds: float, args: tuple) -> tuple:
     shape, src, dtype, tag, out = args
     src = _peer(state, src, "irecv", "src")
     tag = _tag(tag, "irecv")
-    shape, dtype = _shape(shape, "irecv"), _dtype(dtype, "irecv")
-    result, buf, rkind = output(HOST, None, out, shape, dtype, "irecv", state.comm)
+    shape, (dtype, kind) = _shape(shape, "irecv"), _dtype(dtype, "irecv")
+    result, buf, rkind = output(kind, None, out, shape, dtype, "irecv", state.comm)
     datatype_of(buf, "irecv")  # a dtype MPI has
     status = MPI.Status()
     args = ([buf, buf.nbytes, _BYTE], src, tag)

@@ -49,7 +49,17 @@ setup() {
     "$PYTHON" -m venv "$VENV" || return 1
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip &&
-    "$VENV/bin/python" -m pip install -q -e '.[mpich,test,docs]'
+    "$VENV/bin/python" -m pip install -q -e '.[mpich,test,docs]' &&
+    install_torch
+}
+
+# torch for the tests that take torch tensors (they skip, saying so, without it).
+# torch==2.13.0 is the CPU build these machines keep on disk; another spec
+# would download a CUDA build of several GB. A machine without it runs the rest.
+install_torch() {
+  "$VENV/bin/python" -c "import torch" 2>/dev/null && return 0
+  "$VENV/bin/python" -m pip install -q torch==2.13.0 ||
+    echo "torch==2.13.0 not installable here: the torch tests skip"
 }
 
 stage "install" setup || true
