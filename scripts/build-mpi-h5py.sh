@@ -14,7 +14,8 @@
 #      which Debian names libmpich.so.12;
 #   4. h5py (H5PY_VERSION, default 3.16.0) from source with HDF5_MPI=ON against
 #      Debian's parallel HDF5;
-#   5. ferrompi (editable, --no-deps) and the test tools.
+#   5. ferrompi (editable, --no-deps), its other dependencies (ml_dtypes; also added
+#      to a reused environment), and the test tools.
 # Then the checkpoint tests, in one process and under `mpiexec.mpich -n N` for N in
 # MPI_SIZES (default "2 3 4"; RUN_TESTS=0 skips them). Exits non-zero if a step or a
 # test run failed.
@@ -79,6 +80,13 @@ else
   "${PIP[@]}" pytest pytest-mpi pytest-timeout hypothesis
   "${PIP[@]}" --no-deps -e "$ROOT"
   report
+fi
+
+# ferrompi's pure-Python dependencies beyond mpi4py, h5py and numpy (built above):
+# installed here too when the environment is reused, since they may be newer than it.
+if ! "$VENV/bin/python" -c "import ml_dtypes" 2>/dev/null; then
+  step "ferrompi's other dependencies"
+  "$VENV/bin/python" -m pip install -q --no-cache-dir "ml_dtypes>=0.4"
 fi
 
 if [ "$RUN_TESTS" = 1 ]; then
