@@ -141,12 +141,13 @@ def _mismatch(out, shape: tuple[int, ...], dtype: np.dtype, op: str) -> InvalidA
 
 def _not_an_array(out, op: str) -> InvalidArgument:
     return InvalidArgument(
-        f"{op}: out must be a numpy array (or a cupy array), not {type(out).__name__}"
+        f"{op}: out must be a numpy array (or a cupy array or torch tensor), "
+        f"not {type(out).__name__}"
     )
 
 
 class ArrayKind(abc.ABC):
-    """How operations handle one kind of array (:data:`HOST`, :data:`DEVICE`).
+    """How operations handle one kind of array (:data:`HOST`, :data:`DEVICE`, :data:`TORCH`).
 
     Attributes
     ----------
@@ -237,12 +238,7 @@ class _Host(ArrayKind):
         return result, result, self
 
     def take_out(self, out, shape, dtype, op, comm=None):
-        if not isinstance(out, _ndarray):
-            raise _not_an_array(out, op)
-        flags = out.flags
-        if out.shape != shape or out.dtype != dtype or not flags.writeable:
-            self.check_out(out, shape, dtype, op)  # raises, saying which
-        if flags.c_contiguous:
+        if self.check_out(out, shape, dtype, op).flags.c_contiguous:
             return out, out, self
         return out, host_empty(shape, dtype), self
 
@@ -347,11 +343,20 @@ def dtype_and_kind(dtype) -> tuple[np.dtype, ArrayKind]:
     return np.dtype(dtype), HOST
 
 
-def layout(x) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and numpy dtype of the array ``x`` of any kind (numpy, cupy, torch)."""
-    if type(x) is _ndarray or kind_of(x) is not TORCH:
-        return x.shape, x.dtype
-    return tuple(x.shape), dtype_and_kind(x.dtype)[0]
+def layout(x, op: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and numpy dtype of the array ``x`` of any kind (numpy, cupy, torch).
+
+    Raises
+    ------
+    InvalidArgument
+        If ``x`` is not an array (``op`` names the operation).
+    """
+    kind = kind_of(x)
+    if kind is TORCH:
+        return tuple(x.shape), dtype_and_kind(x.dtype)[0]
+    if kind is HOST and not isinstance(x, _ndarray):
+        raise _not_an_array(x, op)
+    return x.shape, x.dtype
 
 
 def _numpy_view(t, op: str = "") -> np.ndarray:

@@ -165,12 +165,7 @@ def _probed_recv(state, seconds: float, args: tuple) -> tuple:
     name = OPS[opcode]
     src = _peer(state, src, name, "src")
     tag = _tag(tag, name)
-    if kind_of(out) is HOST and not isinstance(out, np.ndarray):
-        raise InvalidArgument(
-            f"{name}: out must be a numpy array (or a cupy array or torch tensor), "
-            f"not {type(out).__name__}"
-        )
-    shape, dtype = layout(out)
+    shape, dtype = layout(out, name)
     result, buf, rkind = output(HOST, None, out, shape, dtype, name, state.comm)
     datatype_of(buf, name)  # a dtype MPI has
     finish, keep = conclusion(result, buf, 0, None, rkind)
