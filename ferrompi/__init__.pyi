@@ -18,6 +18,7 @@ from .mesh import *
 from .ops import *
 from .p2p import *
 from .placements import *
+from .rooted import *
 from .uneven import *
 
 __version__: str

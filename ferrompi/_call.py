@@ -78,7 +78,7 @@ from ._progress import (
 )
 from ._simcomm import SimComm
 from ._status_board import DONE, FAILED, OPCODE, OPS, REJECTED, arrivals, spin_until
-from .errors import FerrompiError, InvalidArgument
+from .errors import DistributedError, FerrompiError, InvalidArgument, InvalidRank
 from .typing import Timeout
 
 #: The ``wait`` of a prepared call whose ``post`` runs steps (see the module docs).
@@ -86,6 +86,104 @@ STEPS = object()
 
 _ndarray = np.ndarray
 _SETUP = OPCODE["shm_setup"]
+
+
+#: The default group, torch's ``group=None``: ``[world]`` once :func:`ferrompi.init`
+#: has run (set there; this layer only reads it).
+DEFAULT_GROUP: list = []
+
+
+def group_of(backend, group, opcode: int | str):
+    """The group an operation runs on: ``backend``, torch's ``group=``, or the default.
+
+    Raises
+    ------
+    InvalidArgument
+        If both are given and differ, or the group is not a backend (torch's
+        positional ``op`` or ``src`` passed where ferrompi's group goes).
+    DistributedError
+        If neither is given and :func:`ferrompi.init` has not run (or its
+        world was destroyed).
+    """
+    name = OPS[opcode] if type(opcode) is int else opcode
+    if group is not None:
+        if backend is not None and backend is not group:
+            raise InvalidArgument(
+                f"{name}: two groups given, {backend!r} and group={group!r}; pass one"
+            )
+        backend = group
+    if backend is None:
+        world = DEFAULT_GROUP[0] if DEFAULT_GROUP else None
+        if world is None or world._state.destroyed:
+            raise DistributedError(
+                f"{name}: no group given and no default group; call ferrompi.init() first "
+                "(torch's init_process_group), or pass the group"
+            )
+        return world
+    if not hasattr(backend, "_state"):
+        raise InvalidArgument(
+            f"{name}: the group must be a ferrompi Backend, not {type(backend).__name__} "
+            f"({backend!r}); torch's positional arguments after the tensor (op, src, dst) "
+            "are keywords here: op=, src=, dst="
+        )
+    return backend
+
+
+def rank_of(backend, rank, group_rank, world: bool, opcode: int, what: str):
+    """The group rank an operation names, read as torch reads it.
+
+    ``group_rank`` is torch's ``group_src`` / ``group_dst`` (a rank of the
+    group); else ``rank``, a rank of the group, or of the world when the
+    caller named the group as torch's ``group=`` (``world``), as torch's
+    ``src`` / ``dst`` are. Returns ``rank`` unchanged (None too) when there
+    is nothing to read.
+
+    Raises
+    ------
+    InvalidArgument
+        If both ``rank`` and ``group_rank`` are given.
+    InvalidRank
+        If a world rank is not in the group.
+    """
+    if group_rank is not None:
+        if rank is not None:
+            raise InvalidArgument(
+                f"{OPS[opcode]}: give {what}= or group_{what}=, not both "
+                f"({what}={rank!r}, group_{what}={group_rank!r})"
+            )
+        return group_rank
+    if rank is None or not world:
+        return rank
+    members = backend._state.world_ranks
+    if type(rank) is int and rank in members:
+        return members.index(rank)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise InvalidArgument(f"{OPS[opcode]}: {what} must be an integer rank, not {rank!r}")
+    if int(rank) in members:
+        return members.index(int(rank))
+    raise _not_member(int(rank), members, opcode, what)
+
+
+def group_and_rank(backend, group, rank, group_rank, opcode: int, what: str) -> tuple:
+    """``(group, group rank)`` of a call given torch's keywords: :func:`group_of`, :func:`rank_of`.
+
+    Returns ``(backend, rank)`` unchanged when neither ``group`` nor
+    ``group_rank`` is given (the common, cheap case).
+    """
+    if group is None and group_rank is None:
+        return backend, rank
+    backend = group_of(backend, group, opcode)
+    return backend, rank_of(backend, rank, group_rank, group is not None, opcode, what)
+
+
+def _not_member(rank: int, members, opcode: int, what: str) -> InvalidRank:
+    exc = InvalidRank(rank, len(members))
+    exc.args = (
+        f"{OPS[opcode]}: {what}={rank} is a world rank (torch's reading with group=) "
+        f"that is not in the group (its world ranks: {list(members)}); "
+        f"name a member, or its rank in the group as group_{what}=",
+    )
+    return exc
 
 
 def run(backend, opcode: int, timeout: Timeout, blocking: bool, prepare, args: tuple):
@@ -104,7 +202,11 @@ def run(backend, opcode: int, timeout: Timeout, blocking: bool, prepare, args: t
         MPI error translated (:class:`~ferrompi.CommunicationError`, ...),
         :class:`~ferrompi.CollectiveTimeout` when the deadline passes.
     """
-    state = backend._state
+    try:
+        state = backend._state
+    except AttributeError:  # None: the default group (or not a group: group_of says)
+        backend = group_of(backend, None, opcode)
+        state = backend._state
     try:
         seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
         begin, route, post, post_args, result, finish, keep, wait = prepare(state, seconds, args)

@@ -480,8 +480,10 @@ def timeout_error(
         missing, details = _status_board.describe_peers(
             state.participant, state.world_ranks, state.key, seq, opcode
         )
-        where = f"(collective #{seq} of a group of {state.size})"
-    if peer < 0 and not missing:
+        where = (
+            f"(collective #{seq} of a group of {state.size})" if seq else "from any rank"
+        )
+    if peer < 0 and seq and not missing:
         details = "every other rank reached it" + (f"; {details}" if details else "")
     details += extra
     state.broken = (

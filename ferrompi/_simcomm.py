@@ -316,6 +316,28 @@ class SimComm:
     def _run_barrier(self, parts):
         return None
 
+    def _run_reduce(self, parts):
+        op, root = parts[0][2], parts[0][3]
+        parts[root][1][...] = self._reduce(self._sources(parts), op)
+        return None
+
+    def _run_gather(self, parts):
+        root = parts[0][2]
+        parts[root][1][...] = np.concatenate(self._sources(parts))
+        return None
+
+    def _run_scatter(self, parts):
+        root = parts[0][2]
+        data = parts[root][0].copy()
+        for r, (_, recv, _) in parts.items():
+            n = recv.size
+            if data.size != n * len(parts):
+                raise MPI.Exception(MPI.ERR_TRUNCATE)
+            if recv.dtype != data.dtype:  # as _sources: refused, neither cast nor reinterpreted
+                raise ValueError(f"root {root} passed {data.dtype}, rank {r} {recv.dtype}")
+            recv[...] = data[r * n : (r + 1) * n]
+        return None
+
     def _run_split(self, parts):
         universe = self._universe
         groups: dict[int, list[tuple[int, int]]] = {}
@@ -398,6 +420,21 @@ class SimComm:
         recv, (rcounts, rdispls) = _parse(recvbuf)
         layout = (list(scounts), list(sdispls), list(rcounts), list(rdispls))
         return self._join("alltoallv", (send, recv, layout))
+
+    def Ireduce(self, sendbuf, recvbuf, op, root=0):  # noqa: N802
+        send, _ = _parse(sendbuf)
+        recv, _ = (None, None) if recvbuf is None else _parse(recvbuf)
+        return self._join("reduce", (send, recv, op, root))
+
+    def Igather(self, sendbuf, recvbuf, root=0):  # noqa: N802
+        send, _ = _parse(sendbuf)
+        recv, _ = (None, None) if recvbuf is None else _parse(recvbuf)
+        return self._join("gather", (send, recv, root))
+
+    def Iscatter(self, sendbuf, recvbuf, root=0):  # noqa: N802
+        send, _ = (None, None) if sendbuf is None else _parse(sendbuf)
+        recv, _ = _parse(recvbuf)
+        return self._join("scatter", (send, recv, root))
 
     def Ibarrier(self):  # noqa: N802
         return self._join("barrier", ())

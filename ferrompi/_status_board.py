@@ -59,8 +59,26 @@ OPS: tuple[str, ...] = (
     "allreduce_coalesced",
     "gather_object",
     "shm_setup",
+    # torch.distributed's rooted collectives, object collectives and the rest (issue 37)
+    "reduce",
+    "gather",
+    "scatter",
+    "async_reduce",
+    "async_gather",
+    "async_scatter",
+    "async_barrier",
+    "monitored_barrier",
+    "broadcast_object_list",
+    "all_gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "batch_isend_irecv",
+    "async_all_to_all_single_uneven",
 )
 OPCODE = {name: code for code, name in enumerate(OPS)}
+#: The peer recorded by a receive from any source (a message, like any rank >= 0).
+ANY_PEER = 1 << 40
 
 # Record layout, in int64 words.
 PID, STATE, OP, KEY, SEQ, T_START, T_END, PEER = range(8)
@@ -122,7 +140,7 @@ class FlightRecorder:
                     "group_size": e[E_SIZE],
                     "shape": None if e[E_SHAPE] is None else [int(d) for d in e[E_SHAPE]],
                     "dtype": "" if e[E_DTYPE] is None else str(e[E_DTYPE]),
-                    "peer": e[E_PEER] if e[E_PEER] >= 0 else None,
+                    "peer": e[E_PEER] if 0 <= e[E_PEER] != ANY_PEER else None,
                     "start": start,
                     "end": end,
                     "status": _ENTRY_STATES[e[E_STATE]],
@@ -442,7 +460,9 @@ def _describe_activity(row: np.ndarray, key: int, now_ns: int) -> str:
     where = "on this group" if int(row[KEY]) == key else "on another group"
     peer = int(row[PEER])
     label = f"{name} #{seq} {where}" if seq > 0 else name
-    if peer >= 0:
+    if peer == ANY_PEER:
+        label += " (from any rank)"
+    elif peer >= 0:
         label += f" (peer: global rank {peer})"
     if state == ACTIVE:
         return f"is in {label} for {(now_ns - int(row[T_START])) / 1e9:.1f} s"

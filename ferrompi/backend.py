@@ -36,7 +36,7 @@ from . import (
     excepthook,  # importing it also registers the exit handler
     launch,
 )
-from ._call import barrier_call, run
+from ._call import DEFAULT_GROUP, barrier_call, group_of, run
 from ._comm_state import CommState
 from ._mpi import MPI, require_mpi
 from ._progress import mpi_error, timeout_seconds
@@ -54,6 +54,8 @@ __all__ = [
     "is_initialized",
     "abort",
     "launch_info",
+    "get_rank",
+    "get_world_size",
     "is_mpi_available",
     "is_gloo_available",
     "is_ucc_available",
@@ -376,8 +378,47 @@ def init(*, timeout: Timeout = None) -> MPIBackend:
             # way of ending the job (SIGTERM, SIGKILL) leaves it in /dev/shm.
             excepthook._unlink_mpich_segments()
             _WORLD = MPIBackend(MPI.COMM_WORLD, timeout=timeout)
+            DEFAULT_GROUP[:] = [_WORLD]  # torch's group=None from now on
             launch.record(MPI.COMM_WORLD)  # logs how the job was launched (debug level)
         return _WORLD
+
+
+def get_rank(group: Backend | None = None) -> int:
+    """This process's rank in ``group`` (default the world: :func:`init` must have run).
+
+    ``torch.distributed.get_rank``; the same as ``group.rank``.
+
+    Raises
+    ------
+    DistributedError
+        If no group is given and :func:`init` has not run.
+
+    Examples
+    --------
+    >>> import ferrompi as fm
+    >>> fm.SimulatedBackend.run(3, lambda b: (fm.get_rank(b), fm.get_world_size(group=b)))
+    [(0, 3), (1, 3), (2, 3)]
+    """
+    return group_of(group, None, "get_rank").rank
+
+
+def get_world_size(group: Backend | None = None) -> int:
+    """The number of ranks in ``group`` (default the world: :func:`init` must have run).
+
+    ``torch.distributed.get_world_size``; the same as ``group.world_size``.
+
+    Raises
+    ------
+    DistributedError
+        If no group is given and :func:`init` has not run.
+
+    Examples
+    --------
+    >>> import ferrompi as fm
+    >>> fm.SimulatedBackend.run(2, lambda b: fm.get_world_size(b))
+    [2, 2]
+    """
+    return group_of(group, None, "get_world_size").world_size
 
 
 def launch_info() -> LaunchInfo:

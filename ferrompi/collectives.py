@@ -61,7 +61,7 @@ from ._arrays import (
     plain_in_place,
     plain_pair,
 )
-from ._call import barrier_call, conclusion, run
+from ._call import barrier_call, conclusion, group_and_rank, group_of, run
 from ._dtypes import reduction, torch_reduce_op
 from ._mpi import MPI
 from ._progress import PendingCollective, timeout_seconds
@@ -75,6 +75,7 @@ __all__ = [
     "allreduce",
     "broadcast",
     "all_gather",
+    "all_gather_into_tensor",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "all_to_all",
@@ -96,7 +97,7 @@ _BROADCAST, _ASYNC_BROADCAST = OPCODE["broadcast"], OPCODE["async_broadcast"]
 _ALL_GATHER, _ASYNC_ALL_GATHER = OPCODE["all_gather"], OPCODE["async_all_gather"]
 _REDUCE_SCATTER, _ASYNC_REDUCE_SCATTER = OPCODE["reduce_scatter"], OPCODE["async_reduce_scatter"]
 _ALL_TO_ALL, _ASYNC_ALL_TO_ALL = OPCODE["all_to_all"], OPCODE["async_all_to_all"]
-_BARRIER = OPCODE["barrier"]
+_BARRIER, _ASYNC_BARRIER = OPCODE["barrier"], OPCODE["async_barrier"]
 _ndarray = np.ndarray
 _ONLY_NDARRAY = {np.ndarray}
 _IN_PLACE = MPI.IN_PLACE
@@ -180,8 +181,15 @@ def _allreduce(state, seconds: float, args: tuple) -> tuple:
 
 
 def allreduce(
-    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
-) -> np.ndarray:
+    x,
+    backend: Backend | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    group: Backend | None = None,
+    async_op: bool = False,
+    out=None,
+    timeout: Timeout = None,
+):
     """Reduce ``x`` element-wise across the group; every rank gets the result.
 
     ``torch.distributed.all_reduce``. ``out=x`` reduces in place (``MPI_IN_PLACE``).
@@ -190,12 +198,18 @@ def allreduce(
     ----------
     x : array_like
         This rank's contribution; same shape and dtype on every rank.
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     op : ReduceOp
-        The reduction (default SUM). MEAN divides the sum by the group size.
-    out : numpy.ndarray or cupy.ndarray, optional
-        Where to write the result (shape and dtype of ``x``).
+        The reduction (default SUM; torch's ``ReduceOp`` members too). MEAN
+        divides the sum by the group size.
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once (torch's
+        ``async_op=True``; ``.wait()`` returns the result).
+    out : array, optional
+        Where to write the result (shape and dtype of ``x``; numpy, cupy or torch).
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
@@ -220,11 +234,22 @@ def allreduce(
     ...                                                   fm.ReduceOp.MAX))
     [array([2, 4]), array([2, 4])]
     """
+    if group is not None:
+        backend = group_of(backend, group, _ALLREDUCE)
+    if async_op:
+        args = (x, op, out, _ASYNC_ALLREDUCE)
+        return run(backend, _ASYNC_ALLREDUCE, timeout, False, _allreduce, args)
     return run(backend, _ALLREDUCE, timeout, True, _allreduce, (x, op, out, _ALLREDUCE))
 
 
 def async_allreduce(
-    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
+    x,
+    backend: Backend | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    group: Backend | None = None,
+    out=None,
+    timeout: Timeout = None,
 ) -> PendingCollective:
     """Start :func:`allreduce`; ``.wait()`` on the result returns the array.
 
@@ -240,9 +265,7 @@ def async_allreduce(
     >>> fm.SimulatedBackend.run(2, f)[0]
     array([2., 3., 6.])
     """
-    return run(
-        backend, _ASYNC_ALLREDUCE, timeout, False, _allreduce, (x, op, out, _ASYNC_ALLREDUCE)
-    )
+    return allreduce(x, backend, op, group=group, async_op=True, out=out, timeout=timeout)
 
 
 def allreduce_with_timeout(
@@ -254,9 +277,10 @@ def allreduce_with_timeout(
 
 def allreduce_coalesced(
     arrays: Sequence,
-    backend: Backend,
+    backend: Backend | None = None,
     op: ReduceOp = ReduceOp.SUM,
     *,
+    group: Backend | None = None,
     out: Sequence[np.ndarray] | None = None,
     timeout: Timeout = None,
 ) -> list[np.ndarray]:
@@ -276,10 +300,12 @@ def allreduce_coalesced(
     arrays : sequence of array_like
         This rank's arrays; the same shapes and dtypes, in the same order, on
         every rank.
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     op : ReduceOp
         The reduction (default SUM), applied to every array.
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
     out : sequence of numpy.ndarray or cupy.ndarray, optional
         Where to write each result (one per array, its shape and dtype);
         ``out=arrays`` reduces in place.
@@ -306,8 +332,9 @@ def allreduce_coalesced(
     >>> fm.SimulatedBackend.run(2, f)[0]
     [array([2., 2.]), array([0, 2, 4]), array([[1., 1.]])]
     """
-    state = backend._state
     name = "allreduce_coalesced"
+    backend = group_of(backend, group, name)
+    state = backend._state
     try:
         seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
         if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
@@ -486,8 +513,17 @@ def _broadcast_from_root(comm, x, buf, dt, root: int):
 
 
 def broadcast(
-    x, backend: Backend, root: int = 0, *, out=None, timeout: Timeout = None
-) -> np.ndarray:
+    x,
+    backend: Backend | None = None,
+    root: int = 0,
+    *,
+    src: int | None = None,
+    group: Backend | None = None,
+    group_src: int | None = None,
+    async_op: bool = False,
+    out=None,
+    timeout: Timeout = None,
+):
     """Every rank gets ``root``'s ``x`` (``torch.distributed.broadcast(src=root)``).
 
     Parameters
@@ -495,11 +531,21 @@ def broadcast(
     x : array_like
         On ``root``, the data; on the other ranks, an array of the same shape
         and dtype (its values are ignored).
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     root : int
-        The sending rank.
-    out : numpy.ndarray or cupy.ndarray, optional
+        The sending rank, a rank of the group.
+    src : int, optional
+        torch's name of the sending rank: a rank of the group, or of the
+        world when the group is passed as ``group=`` (as in torch).
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    group_src : int, optional
+        The sending rank as a rank of the group (torch's keyword).
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once (torch's
+        ``async_op=True``; ``.wait()`` returns the result).
+    out : array, optional
         Where to write the result; ``out=x`` broadcasts in place.
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
@@ -512,7 +558,10 @@ def broadcast(
     Raises
     ------
     InvalidRank
-        If ``root`` is not in ``[0, world_size)``.
+        If ``root`` is not in ``[0, world_size)`` (or ``src`` not in the group).
+    InvalidArgument
+        If the sending rank is given twice (``root`` and ``src``, or ``src``
+        and ``group_src``).
 
     Examples
     --------
@@ -520,15 +569,44 @@ def broadcast(
     >>> fm.SimulatedBackend.run(3, lambda b: fm.broadcast(np.full(2, b.rank), b, root=2))
     [array([2, 2]), array([2, 2]), array([2, 2])]
     """
-    return run(backend, _BROADCAST, timeout, True, _broadcast, (x, root, out, _BROADCAST))
+    if src is not None or group is not None or group_src is not None:
+        backend, root = _torch_root(backend, group, root, src, group_src, _BROADCAST)
+    opcode = _ASYNC_BROADCAST if async_op else _BROADCAST
+    return run(backend, opcode, timeout, not async_op, _broadcast, (x, root, out, opcode))
+
+
+def _torch_root(backend, group, root, src, group_src, opcode: int) -> tuple:
+    """``(group, root)`` of a call given torch's ``src=`` / ``group=`` / ``group_src=``."""
+    if src is not None and root != 0:
+        raise InvalidArgument(
+            f"{OPS[opcode]}: give root= or src=, not both (root={root}, src={src})"
+        )
+    backend, rank = group_and_rank(backend, group, src, group_src, opcode, "src")
+    return backend, root if rank is None else rank
 
 
 def async_broadcast(
-    x, backend: Backend, root: int = 0, *, out=None, timeout: Timeout = None
+    x,
+    backend: Backend | None = None,
+    root: int = 0,
+    *,
+    src: int | None = None,
+    group: Backend | None = None,
+    group_src: int | None = None,
+    out=None,
+    timeout: Timeout = None,
 ) -> PendingCollective:
     """Start :func:`broadcast`; ``.wait()`` returns the array."""
-    return run(
-        backend, _ASYNC_BROADCAST, timeout, False, _broadcast, (x, root, out, _ASYNC_BROADCAST)
+    return broadcast(
+        x,
+        backend,
+        root,
+        src=src,
+        group=group,
+        group_src=group_src,
+        async_op=True,
+        out=out,
+        timeout=timeout,
     )
 
 
@@ -566,7 +644,15 @@ def _all_gather(state, seconds: float, args: tuple) -> tuple:
     )
 
 
-def all_gather(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.ndarray:
+def all_gather(
+    x,
+    backend: Backend | None = None,
+    *,
+    group: Backend | None = None,
+    async_op: bool = False,
+    out=None,
+    timeout: Timeout = None,
+):
     """Concatenate every rank's ``x`` along axis 0 (``all_gather_into_tensor``).
 
     Parameters
@@ -574,8 +660,13 @@ def all_gather(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.
     x : array_like
         This rank's part; same shape and dtype on every rank. A 0-d array
         counts as one row.
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once (torch's
+        ``async_op=True``; ``.wait()`` returns the result).
     out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result, shape ``(world_size * x.shape[0], ...)``.
     timeout : float or datetime.timedelta, optional
@@ -593,14 +684,87 @@ def all_gather(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.
     array([[0, 0],
            [1, 1]])
     """
-    return run(backend, _ALL_GATHER, timeout, True, _all_gather, (x, out, _ALL_GATHER))
+    if group is not None:
+        backend = group_of(backend, group, _ALL_GATHER)
+    opcode = _ASYNC_ALL_GATHER if async_op else _ALL_GATHER
+    return run(backend, opcode, timeout, not async_op, _all_gather, (x, out, opcode))
+
+
+def all_gather_into_tensor(
+    output_tensor,
+    input_tensor,
+    group: Backend | None = None,
+    async_op: bool = False,
+    *,
+    backend: Backend | None = None,
+    timeout: Timeout = None,
+):
+    """``torch.distributed.all_gather_into_tensor``, torch's signature: fills ``output_tensor``.
+
+    :func:`all_gather` into ``output_tensor``, which is either the
+    concatenation along axis 0, shape ``(world_size * input.shape[0], ...)``,
+    or the stack, shape ``(world_size, *input.shape)`` (as torch allows).
+
+    Parameters
+    ----------
+    output_tensor : array
+        Where every rank's input lands (numpy, torch or cupy; C-contiguous).
+    input_tensor : array_like
+        This rank's part.
+    group : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run);
+        ferrompi's name ``backend=`` works too.
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    array or PendingCollective
+        ``output_tensor`` (or, with ``async_op``, the pending operation).
+
+    Raises
+    ------
+    InvalidArgument
+        If ``output_tensor`` has neither shape, or another dtype.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     out = np.empty((2, 3))
+    ...     fm.all_gather_into_tensor(out, np.full(3, float(b.rank)), group=b)
+    ...     return out
+    >>> fm.SimulatedBackend.run(2, f)[1]
+    array([[0., 0., 0.],
+           [1., 1., 1.]])
+    """
+    backend = group_of(backend, group, _ALL_GATHER)
+    out = output_tensor
+    shape = tuple(getattr(input_tensor, "shape", ()))
+    if len(shape) and tuple(getattr(out, "shape", ())) == (backend.world_size, *shape):
+        contiguous = out.is_contiguous() if kind_of(out) is TORCH else out.flags.c_contiguous
+        if not contiguous:
+            raise InvalidArgument(
+                "all_gather_into_tensor: output_tensor must be C-contiguous to take the "
+                f"stacked form {tuple(out.shape)}"
+            )
+        out = out.reshape(backend.world_size * shape[0], *shape[1:])  # a view: contiguous
+    got = all_gather(input_tensor, backend, async_op=async_op, out=out, timeout=timeout)
+    return got if async_op else output_tensor
 
 
 def async_all_gather(
-    x, backend: Backend, *, out=None, timeout: Timeout = None
+    x,
+    backend: Backend | None = None,
+    *,
+    group: Backend | None = None,
+    out=None,
+    timeout: Timeout = None,
 ) -> PendingCollective:
     """Start :func:`all_gather`; ``.wait()`` returns the array."""
-    return run(backend, _ASYNC_ALL_GATHER, timeout, False, _all_gather, (x, out, _ASYNC_ALL_GATHER))
+    return all_gather(x, backend, group=group, async_op=True, out=out, timeout=timeout)
 
 
 def all_gather_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out=None):
@@ -683,8 +847,15 @@ def _reduce_scatter(state, seconds: float, args: tuple) -> tuple:
 
 
 def reduce_scatter(
-    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
-) -> np.ndarray:
+    x,
+    backend: Backend | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    group: Backend | None = None,
+    async_op: bool = False,
+    out=None,
+    timeout: Timeout = None,
+):
     """Reduce across ranks, then rank ``r`` keeps chunk ``r`` of axis 0.
 
     ``torch.distributed.reduce_scatter_tensor``.
@@ -693,10 +864,15 @@ def reduce_scatter(
     ----------
     x : array_like
         Same shape on every rank; ``x.shape[0]`` must divide by the world size.
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     op : ReduceOp
         The reduction (default SUM).
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once (torch's
+        ``async_op=True``; ``.wait()`` returns the result).
     out : numpy.ndarray or cupy.ndarray, optional
         Where to write the chunk, shape ``(x.shape[0] // world_size, ...)``.
     timeout : float or datetime.timedelta, optional
@@ -718,9 +894,10 @@ def reduce_scatter(
     >>> fm.SimulatedBackend.run(2, lambda b: fm.reduce_scatter(np.arange(4) + b.rank, b))
     [array([1, 3]), array([5, 7])]
     """
-    return run(
-        backend, _REDUCE_SCATTER, timeout, True, _reduce_scatter, (x, op, out, _REDUCE_SCATTER)
-    )
+    if group is not None:
+        backend = group_of(backend, group, _REDUCE_SCATTER)
+    opcode = _ASYNC_REDUCE_SCATTER if async_op else _REDUCE_SCATTER
+    return run(backend, opcode, timeout, not async_op, _reduce_scatter, (x, op, out, opcode))
 
 
 #: torch's newer name of :func:`reduce_scatter`.
@@ -728,11 +905,16 @@ reduce_scatter_tensor = reduce_scatter
 
 
 def async_reduce_scatter(
-    x, backend: Backend, op: ReduceOp = ReduceOp.SUM, *, out=None, timeout: Timeout = None
+    x,
+    backend: Backend | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    group: Backend | None = None,
+    out=None,
+    timeout: Timeout = None,
 ) -> PendingCollective:
     """Start :func:`reduce_scatter`; ``.wait()`` returns this rank's chunk."""
-    opcode = _ASYNC_REDUCE_SCATTER
-    return run(backend, opcode, timeout, False, _reduce_scatter, (x, op, out, opcode))
+    return reduce_scatter(x, backend, op, group=group, async_op=True, out=out, timeout=timeout)
 
 
 def reduce_scatter_with_timeout(
@@ -773,7 +955,15 @@ def _all_to_all(state, seconds: float, args: tuple) -> tuple:
     )
 
 
-def all_to_all(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.ndarray:
+def all_to_all(
+    x,
+    backend: Backend | None = None,
+    *,
+    group: Backend | None = None,
+    async_op: bool = False,
+    out=None,
+    timeout: Timeout = None,
+):
     """Rank ``r`` sends chunk ``j`` of axis 0 to rank ``j`` and receives into chunk ``r``.
 
     ``torch.distributed.all_to_all_single`` with equal splits.
@@ -782,8 +972,13 @@ def all_to_all(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.
     ----------
     x : array_like
         ``x.shape[0]`` must divide by the world size.
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once (torch's
+        ``async_op=True``; ``.wait()`` returns the result).
     out : numpy.ndarray or cupy.ndarray, optional
         Where to write the result (shape of ``x``).
     timeout : float or datetime.timedelta, optional
@@ -800,14 +995,22 @@ def all_to_all(x, backend: Backend, *, out=None, timeout: Timeout = None) -> np.
     >>> fm.SimulatedBackend.run(2, lambda b: fm.all_to_all(np.arange(4) + 10 * b.rank, b))
     [array([ 0,  1, 10, 11]), array([ 2,  3, 12, 13])]
     """
-    return run(backend, _ALL_TO_ALL, timeout, True, _all_to_all, (x, out, _ALL_TO_ALL))
+    if group is not None:
+        backend = group_of(backend, group, _ALL_TO_ALL)
+    opcode = _ASYNC_ALL_TO_ALL if async_op else _ALL_TO_ALL
+    return run(backend, opcode, timeout, not async_op, _all_to_all, (x, out, opcode))
 
 
 def async_all_to_all(
-    x, backend: Backend, *, out=None, timeout: Timeout = None
+    x,
+    backend: Backend | None = None,
+    *,
+    group: Backend | None = None,
+    out=None,
+    timeout: Timeout = None,
 ) -> PendingCollective:
     """Start :func:`all_to_all`; ``.wait()`` returns the array."""
-    return run(backend, _ASYNC_ALL_TO_ALL, timeout, False, _all_to_all, (x, out, _ASYNC_ALL_TO_ALL))
+    return all_to_all(x, backend, group=group, async_op=True, out=out, timeout=timeout)
 
 
 def all_to_all_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out=None):
@@ -820,8 +1023,18 @@ def all_to_all_with_timeout(x, backend: Backend, timeout: Timeout = None, *, out
 # ---------------------------------------------------------------------------
 
 
-def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
+def barrier(
+    backend: Backend | None = None,
+    *,
+    group: Backend | None = None,
+    async_op: bool = False,
+    timeout: Timeout = None,
+):
     """Block until every rank of the group has called ``barrier`` (``Ibarrier``).
+
+    ``torch.distributed.barrier``: the group may be omitted after
+    :func:`~ferrompi.init` (or passed as torch's ``group=``);
+    ``async_op=True`` returns the :class:`~ferrompi.PendingCollective` at once.
 
     Examples
     --------
@@ -829,4 +1042,9 @@ def barrier(backend: Backend, *, timeout: Timeout = None) -> None:
     >>> fm.SimulatedBackend.run(3, fm.barrier)
     [None, None, None]
     """
+    if group is not None:
+        backend = group_of(backend, group, _BARRIER)
+    if async_op:
+        return run(backend, _ASYNC_BARRIER, timeout, False, barrier_call, ())
     run(backend, _BARRIER, timeout, True, barrier_call, ())
+    return None

@@ -71,10 +71,18 @@ _REDOP_CODE = {op: i for i, op in reversed(list(enumerate(_OPS)))}
 _KIND = {name: _status_board.OPCODE[name.removeprefix("async_")] for name in _status_board.OPS}
 # Which part of the shape must agree: the whole shape, or every dimension but
 # the first (variable-size collectives).
-_WHOLE = {"allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"}
+_WHOLE = {
+    "allreduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "reduce",
+    "gather",
+}
 _TRAILING = {"all_gather_v", "reduce_scatter_v", "all_to_all_v", "all_to_all_single_uneven"}
-_WITH_OP = {"allreduce", "reduce_scatter", "reduce_scatter_v"}
-_WITH_ROOT = {"broadcast"}
+_WITH_OP = {"allreduce", "reduce_scatter", "reduce_scatter_v", "reduce"}
+_WITH_ROOT = {"broadcast", "reduce", "gather", "scatter"}
 
 
 def set_debug(enabled: bool = True) -> None:

@@ -38,11 +38,11 @@ from ._arrays import (
     overlaps,
     plain_pair,
 )
-from ._call import conclusion, run
+from ._call import conclusion, group_and_rank, run
 from ._mpi import MPI
 from ._progress import PendingCollective
 from ._simcomm import SimComm
-from ._status_board import OPCODE, OPS
+from ._status_board import ANY_PEER, OPCODE, OPS
 from .backend import Backend
 from .errors import InvalidArgument, SelfSend, SizeMismatch
 from .typing import Timeout
@@ -56,6 +56,9 @@ __all__ = [
     "sendrecv",
     "recv_with_timeout",
     "recv_into_with_timeout",
+    "AnySourceReceive",
+    "P2POp",
+    "batch_isend_irecv",
 ]
 
 _ISEND, _IRECV = OPCODE["isend"], OPCODE["irecv"]
@@ -97,7 +100,7 @@ class _ProbedRecv:
 
     __slots__ = ("_buf", "_comm", "_op", "_probe", "_req", "_source", "_tag", "block_until")
 
-    def __init__(self, comm, source: int, tag: int, buf: np.ndarray, op: str) -> None:
+    def __init__(self, comm, source: int, tag: int, buf: np.ndarray, op: str, sink=None) -> None:
         self._comm = comm
         self._source = source
         self._tag = tag
@@ -106,6 +109,13 @@ class _ProbedRecv:
         self._probe = MPI.Status()
         self._req = None
         self.block_until = self._block if isinstance(comm, SimComm) else None
+        if sink is not None:  # a receive from any source: the caller reads .source
+            sink.append(self)
+
+    @property
+    def source(self) -> int:
+        """The group rank the message came from (once it has been matched)."""
+        return self._probe.Get_source()
 
     def Test(self, status=None) -> bool:  # noqa: N802 - a request's name
         if self._req is None:
@@ -161,17 +171,50 @@ class _SendRecv:
 
 def _probed_recv(state, seconds: float, args: tuple) -> tuple:
     """The prepared call of :func:`recv` and :func:`recv_into` (:mod:`ferrompi._call`)."""
-    out, src, tag, opcode = args
+    out, src, tag, opcode, sink = args
     name = OPS[opcode]
-    src = _peer(state, src, name, "src")
     tag = _tag(tag, name)
     shape, dtype = layout(out, name)
     result, buf, rkind = output(HOST, None, out, shape, dtype, name, state.comm)
     datatype_of(buf, name)  # a dtype MPI has
     finish, keep = conclusion(result, buf, 0, None, rkind)
+    if src is None:  # any source
+        args = (state.comm, MPI.ANY_SOURCE, tag, buf, name, sink)
+        return (ANY_PEER, None, None, None, -1), None, _ProbedRecv, args, result, finish, keep, _ANY
+    src = _peer(state, src, name, "src")
     args = (state.comm, src, tag, buf, name)
     begin = (state.world_ranks[src], None, None, None, -1)
     return begin, None, _ProbedRecv, args, result, finish, keep, (src, None, None)
+
+
+#: The ``wait`` of a receive from any source: no one peer to name on a timeout.
+_ANY = (-1, None, None)
+
+
+class AnySourceReceive:
+    """The pending receive of :func:`irecv` from any source: ``wait()`` gives ``(array, sender)``.
+
+    Wraps the :class:`~ferrompi.PendingCollective`; ``sender`` is the group
+    rank the message came from (torch's ``irecv`` without ``src``).
+    """
+
+    __slots__ = ("_pending", "_status")
+
+    def __init__(self, pending: PendingCollective, status) -> None:
+        self._pending = pending
+        self._status = status
+
+    @property
+    def op_name(self) -> str:
+        return self._pending.op_name
+
+    def is_completed(self) -> bool:
+        """Whether the message has arrived (never blocks)."""
+        return self._pending.is_completed()
+
+    def wait(self, timeout: Timeout = None) -> tuple:
+        """``(array, sender's group rank)``, once the message is in."""
+        return self._pending.wait(timeout), self._status.Get_source()
 
 
 def _shape(shape, name: str) -> tuple[int, ...]:
@@ -203,7 +246,16 @@ def _dtype(dtype, name: str) -> tuple[np.dtype, object]:
 # ---------------------------------------------------------------------------
 
 
-def send(x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None) -> None:
+def send(
+    x,
+    dst: int | None = None,
+    backend: Backend | None = None,
+    tag: int = 0,
+    *,
+    group: Backend | None = None,
+    group_dst: int | None = None,
+    timeout: Timeout = None,
+) -> None:
     """Send ``x`` to rank ``dst``; returns when the buffer may be reused.
 
     Parameters
@@ -211,11 +263,16 @@ def send(x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
     x : array_like
         The data.
     dst : int
-        Destination rank, not this rank.
-    backend : Backend
-        The group.
+        Destination rank, not this rank: a rank of the group, or of the world
+        when the group is passed as torch's ``group=`` (as in torch).
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     tag : int
         Message tag (``0 <= tag <= MPI.TAG_UB``); the receive must use the same.
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    group_dst : int, optional
+        ``dst`` as a rank of the group (torch's keyword).
     timeout : float or datetime.timedelta, optional
         Deadline for the send to complete.
 
@@ -226,13 +283,22 @@ def send(x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
     InvalidRank
         If ``dst`` is not in ``[0, world_size)``.
     """
+    backend, dst = group_and_rank(backend, group, dst, group_dst, _ISEND, "dst")
     run(backend, _ISEND, timeout, True, _send, (x, dst, tag))
 
 
 def isend(
-    x, dst: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
+    x,
+    dst: int | None = None,
+    backend: Backend | None = None,
+    tag: int = 0,
+    *,
+    group: Backend | None = None,
+    group_dst: int | None = None,
+    timeout: Timeout = None,
 ) -> PendingCollective:
     """Start :func:`send`; ``.wait()`` returns ``None``. Do not modify ``x`` until then."""
+    backend, dst = group_and_rank(backend, group, dst, group_dst, _ISEND, "dst")
     return run(backend, _ISEND, timeout, False, _send, (x, dst, tag))
 
 
@@ -249,30 +315,47 @@ def _send(state, seconds: float, args: tuple) -> tuple:
 
 
 def recv(
-    shape, src: int, backend: Backend, dtype=np.float32, tag: int = 0, *, timeout: Timeout = None
-) -> np.ndarray:
-    """Receive an array of ``shape`` and ``dtype`` from rank ``src``.
+    shape,
+    src: int | None = None,
+    backend: Backend | None = None,
+    dtype=np.float32,
+    tag: int = 0,
+    *,
+    group: Backend | None = None,
+    group_src: int | None = None,
+    timeout: Timeout = None,
+):
+    """Receive an array of ``shape`` and ``dtype`` from rank ``src`` (or from any rank).
 
     Parameters
     ----------
     shape : int or sequence of int
         Shape of the incoming array.
-    src : int
-        Source rank, not this rank.
-    backend : Backend
-        The group.
+    src : int or None
+        Source rank, not this rank (a rank of the group, or of the world when
+        the group is passed as torch's ``group=``); ``None``: from any rank,
+        as torch's ``recv`` without ``src``.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     dtype : dtype
-        The incoming dtype (default float32, as the reference's ``recv::<f32>``).
+        The incoming dtype (default float32, as the reference's
+        ``recv::<f32>``); a torch dtype gives a tensor.
     tag : int
         Message tag.
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    group_src : int, optional
+        ``src`` as a rank of the group (torch's keyword).
     timeout : float or datetime.timedelta, optional
         Deadline for the message to arrive.
 
     Returns
     -------
-    numpy.ndarray
-        Always on the host; receive into device memory with :func:`recv_into`
-        or ``irecv(out=cupy_array)``.
+    numpy.ndarray, or (numpy.ndarray, int)
+        The array, on the host (receive into device memory with
+        :func:`recv_into` or ``irecv(out=cupy_array)``); from any source
+        (``src=None``), ``(array, sender)`` with the sender's group rank
+        (torch's ``recv`` returns the sender).
 
     Raises
     ------
@@ -282,70 +365,94 @@ def recv(
     CollectiveTimeout
         If no message arrives in time; says what ``src`` is doing.
     """
+    backend, src = group_and_rank(backend, group, src, group_src, _RECV, "src")
     dtype, kind = _dtype(dtype, "recv")
     out = kind.new_output(None, _shape(shape, "recv"), dtype, "recv")[0]
-    return run(backend, _RECV, timeout, False, _probed_recv, (out, src, tag, _RECV)).wait()
+    return _receive(backend, _RECV, timeout, out, src, tag)
+
+
+def _receive(backend, opcode: int, timeout: Timeout, out, src, tag):
+    """The probed receive of :func:`recv` and :func:`recv_into`; ``(out, sender)`` from any."""
+    if src is not None:
+        args = (out, src, tag, opcode, None)
+        return run(backend, opcode, timeout, False, _probed_recv, args).wait()
+    sink: list = []
+    got = run(backend, opcode, timeout, False, _probed_recv, (out, None, tag, opcode, sink)).wait()
+    return got, sink[0].source
 
 
 def recv_into(
-    out: np.ndarray, src: int, backend: Backend, tag: int = 0, *, timeout: Timeout = None
-) -> np.ndarray:
+    out,
+    src: int | None = None,
+    backend: Backend | None = None,
+    tag: int = 0,
+    *,
+    group: Backend | None = None,
+    group_src: int | None = None,
+    timeout: Timeout = None,
+):
     """Receive from ``src`` into the caller's array ``out``, in place; returns ``out``.
 
-    ``out`` is a numpy array or a cupy array (then the data lands in device
-    memory: directly with a CUDA-aware MPI, else through pinned host memory).
+    torch's ``recv(tensor, src)``. ``out`` is a numpy array, a torch tensor
+    or a cupy array (then the data lands in device memory: directly with a
+    CUDA-aware MPI, else through pinned host memory). ``src``, ``group``,
+    ``group_src`` as in :func:`recv`; from any source (``src=None``) it
+    returns ``(out, sender)``.
 
     Raises
     ------
     SizeMismatch
         If the message does not hold exactly ``out.size`` elements of ``out.dtype``.
     """
-    return run(
-        backend, _RECV_INTO, timeout, False, _probed_recv, (out, src, tag, _RECV_INTO)
-    ).wait()
+    backend, src = group_and_rank(backend, group, src, group_src, _RECV_INTO, "src")
+    return _receive(backend, _RECV_INTO, timeout, out, src, tag)
 
 
 def irecv(
     shape,
-    src: int,
-    backend: Backend,
+    src: int | None = None,
+    backend: Backend | None = None,
     dtype=np.float32,
     tag: int = 0,
     *,
     out=None,
+    group: Backend | None = None,
+    group_src: int | None = None,
     timeout: Timeout = None,
-) -> PendingCollective:
+):
     """Post a receive (``Irecv``) now; ``.wait()`` returns the array.
 
     Posting early lets MPI deliver straight into the buffer. A message larger
     than the buffer raises :class:`SizeMismatch` from ``wait``. The result is
-    a new numpy array, or ``out`` (numpy or cupy, of ``shape`` and ``dtype``).
+    a new numpy array (a tensor for a torch ``dtype``), or ``out`` (numpy,
+    torch or cupy, of ``shape`` and ``dtype``). ``src``, ``group``,
+    ``group_src`` as in :func:`recv`; from any source (``src=None``) it
+    returns an :class:`AnySourceReceive`, whose ``wait()`` gives
+    ``(array, sender)``.
     """
-    return run(backend, _IRECV, timeout, False, _irecv, (shape, src, dtype, tag, out))
+    backend, src = group_and_rank(backend, group, src, group_src, _IRECV, "src")
+    status = MPI.Status()
+    pending = run(backend, _IRECV, timeout, False, _irecv, (shape, src, dtype, tag, out, status))
+    return pending if src is not None else AnySourceReceive(pending, status)
 
 
 def _irecv(state, seconds: float, args: tuple) -> tuple:
     """The prepared call of :func:`irecv` (:mod:`ferrompi._call`)."""
-    shape, src, dtype, tag, out = args
-    src = _peer(state, src, "irecv", "src")
+    shape, src, dtype, tag, out, status = args
+    if src is None:  # any source
+        peer, source = ANY_PEER, MPI.ANY_SOURCE
+    else:
+        src = source = _peer(state, src, "irecv", "src")
+        peer = state.world_ranks[src]
     tag = _tag(tag, "irecv")
     shape, (dtype, kind) = _shape(shape, "irecv"), _dtype(dtype, "irecv")
     result, buf, rkind = output(kind, None, out, shape, dtype, "irecv", state.comm)
     datatype_of(buf, "irecv")  # a dtype MPI has
-    status = MPI.Status()
-    args = ([buf, buf.nbytes, _BYTE], src, tag)
+    args = ([buf, buf.nbytes, _BYTE], source, tag)
     keep = (buf, status, "irecv", rkind)
-    begin = (state.world_ranks[src], None, None, None, -1)
-    return (
-        begin,
-        None,
-        state.comm.Irecv,
-        args,
-        result,
-        _check_received,
-        keep,
-        (src, status, buf.size),
-    )
+    begin = (peer, None, None, None, -1)
+    wait = (-1 if src is None else src, status, buf.size)
+    return begin, None, state.comm.Irecv, args, result, _check_received, keep, wait
 
 
 def _check_received(result: np.ndarray, keep: tuple) -> None:
@@ -375,7 +482,7 @@ def sendrecv(
     x,
     recv_shape,
     peer: int,
-    backend: Backend,
+    backend: Backend | None = None,
     tag: int = 0,
     *,
     source: int | None = None,
@@ -398,8 +505,8 @@ def sendrecv(
     peer : int
         The rank ``x`` goes to, and, unless ``source`` is given, the rank the
         result comes from.
-    backend : Backend
-        The group.
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
     tag : int
         Tag of both messages.
     source : int, optional
@@ -498,3 +605,119 @@ def recv_into_with_timeout(
 ) -> np.ndarray:
     """:func:`recv_into` with the timeout as a positional argument."""
     return recv_into(out, src, backend, tag, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# batches of messages
+# ---------------------------------------------------------------------------
+
+
+class P2POp:
+    """One message of :func:`batch_isend_irecv`: ``torch.distributed.P2POp``.
+
+    Parameters
+    ----------
+    op : callable
+        :func:`isend` or :func:`irecv` (torch's ``dist.isend`` / ``dist.irecv``
+        are read as these).
+    array : array
+        What to send, or the array to receive into (numpy, torch or cupy).
+    peer : int, optional
+        The other rank: of the group, or of the world when the group is
+        passed as ``group=`` (as in torch).
+    group : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
+    tag : int
+        Message tag.
+    group_peer : int, optional
+        ``peer`` as a rank of the group (torch's keyword).
+
+    Raises
+    ------
+    InvalidArgument
+        If ``op`` is neither ``isend`` nor ``irecv``, or no peer is given.
+    """
+
+    __slots__ = ("array", "group", "op", "peer", "tag")
+
+    def __init__(
+        self,
+        op,
+        array,
+        peer: int | None = None,
+        group: Backend | None = None,
+        tag: int = 0,
+        group_peer: int | None = None,
+    ) -> None:
+        kind = getattr(op, "__name__", None)
+        if kind not in ("isend", "irecv"):
+            raise InvalidArgument(f"P2POp: op must be fm.isend or fm.irecv, not {op!r}")
+        if peer is None and group_peer is None:
+            raise InvalidArgument("P2POp: give the peer (peer= or group_peer=)")
+        self.op = isend if kind == "isend" else irecv
+        self.array = array
+        self.group, self.peer = group_and_rank(None, group, peer, group_peer, _ISEND, "peer")
+        self.tag = tag
+
+    def __repr__(self) -> str:
+        return f"P2POp({self.op.__name__}, peer={self.peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(ops: list[P2POp], *, timeout: Timeout = None) -> list[PendingCollective]:
+    """Start every message of ``ops`` now; returns their pending operations, in order.
+
+    ``torch.distributed.batch_isend_irecv``. Every message is a non-blocking
+    MPI call, receives posted first, so a batch in which ranks both send to
+    and receive from each other cannot deadlock. Wait on each (``.wait()``)
+    before reusing its array.
+
+    Parameters
+    ----------
+    ops : list of P2POp
+        The messages, each on its own group (the default group when none).
+    timeout : float or datetime.timedelta, optional
+        Deadline of each message.
+
+    Returns
+    -------
+    list of PendingCollective
+        One per op, in the order of ``ops``; an ``irecv``'s ``.wait()``
+        returns its array.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``ops`` is empty or holds anything but :class:`P2POp`, or a
+        message is to this rank; before any message starts.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def ring(b):
+    ...     n, r = b.world_size, b.rank
+    ...     got = np.empty(2)
+    ...     ops = [fm.P2POp(fm.isend, np.full(2, float(r)), (r + 1) % n, b),
+    ...            fm.P2POp(fm.irecv, got, (r - 1) % n, b)]
+    ...     for work in fm.batch_isend_irecv(ops):
+    ...         work.wait()
+    ...     return got
+    >>> fm.SimulatedBackend.run(3, ring)
+    [array([2., 2.]), array([0., 0.]), array([1., 1.])]
+    """
+    if isinstance(ops, P2POp) or not isinstance(ops, (list, tuple)) or not ops:
+        raise InvalidArgument("batch_isend_irecv: ops must be a non-empty list of P2POp")
+    for i, op in enumerate(ops):
+        if type(op) is not P2POp:
+            raise InvalidArgument(f"batch_isend_irecv: ops[{i}] is {op!r}, not a P2POp")
+    pending: list = [None] * len(ops)
+    order = sorted(range(len(ops)), key=lambda i: ops[i].op is isend)  # receives first
+    for i in order:
+        op = ops[i]
+        if op.op is isend:
+            pending[i] = isend(op.array, op.peer, op.group, op.tag, timeout=timeout)
+        else:
+            shape, dtype = layout(op.array, "irecv")
+            pending[i] = irecv(
+                shape, op.peer, op.group, dtype, op.tag, out=op.array, timeout=timeout
+            )
+    return pending

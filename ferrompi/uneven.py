@@ -38,20 +38,30 @@ from ._arrays import (
     output,
     overlaps,
 )
-from ._call import STEPS, conclusion, run
+from ._call import STEPS, conclusion, group_of, run
 from ._dtypes import dtype_code, dtype_of_code
 from ._mpi import MPI
 from ._progress import wait_step
 from ._rows import alltoallv_call, gathered_rows, row_counts, row_size, scattered_rows
 from ._status_board import DONE, FAILED, OPCODE, OPS
 from .backend import Backend
+from .collectives import all_to_all
 from .errors import FerrompiError, InvalidArgument
 from .ops import ReduceOp
 from .typing import Timeout
 
-__all__ = ["all_to_all_single_uneven", "all_to_all_v", "all_gather_v", "reduce_scatter_v"]
+__all__ = [
+    "all_to_all_single_uneven",
+    "all_to_all_single",
+    "all_to_all_v",
+    "all_gather_v",
+    "reduce_scatter_v",
+]
 
-_UNEVEN = OPCODE["all_to_all_single_uneven"]
+_UNEVEN, _ASYNC_UNEVEN = (
+    OPCODE["all_to_all_single_uneven"],
+    OPCODE["async_all_to_all_single_uneven"],
+)
 _ALL_GATHER_V = OPCODE["all_gather_v"]
 _REDUCE_SCATTER_V = OPCODE["reduce_scatter_v"]
 _INT64 = MPI.INT64_T
@@ -63,11 +73,13 @@ def all_to_all_single_uneven(
     x,
     send_splits: Sequence[int],
     recv_splits: Sequence[int] | None,
-    backend: Backend,
+    backend: Backend | None = None,
     *,
+    group: Backend | None = None,
+    async_op: bool = False,
     out=None,
     timeout: Timeout = None,
-) -> np.ndarray:
+):
     """All-to-all with per-peer row counts (``all_to_all_single`` with split sizes).
 
     Rank ``r`` sends rows ``send_splits[0]`` to rank 0, the next
@@ -89,9 +101,13 @@ def all_to_all_single_uneven(
         ``world_size`` row counts summing to ``x.shape[0]``.
     recv_splits : sequence of int or None
         ``world_size`` row counts, or ``None`` to take them from the peers.
-    backend : Backend
-        The group.
-    out : numpy.ndarray or cupy.ndarray, optional
+    backend : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run).
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once.
+    out : array, optional
         Where to write the result, shape ``(sum(recv_splits), *x.shape[1:])``.
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
@@ -122,7 +138,93 @@ def all_to_all_single_uneven(
     >>> fm.SimulatedBackend.run(2, f)
     [array([ 0, 10, 11]), array([ 1,  2,  3, 12, 13])]
     """
-    return run(backend, _UNEVEN, timeout, True, _uneven, (x, send_splits, recv_splits, out))
+    if group is not None:
+        backend = group_of(backend, group, _UNEVEN)
+    opcode = _ASYNC_UNEVEN if async_op else _UNEVEN
+    return run(backend, opcode, timeout, not async_op, _uneven, (x, send_splits, recv_splits, out))
+
+
+def all_to_all_single(
+    output,
+    input,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Backend | None = None,
+    async_op: bool = False,
+    *,
+    backend: Backend | None = None,
+    timeout: Timeout = None,
+):
+    """``torch.distributed.all_to_all_single``, torch's signature: fills ``output``.
+
+    Rows of ``input`` (axis 0) go to the ranks in order, ``input_split_sizes[j]``
+    to rank ``j``; ``output`` receives ``output_split_sizes[j]`` rows from rank
+    ``j``. A split left ``None`` is an equal split of that array's rows. With
+    both ``None`` it is :func:`~ferrompi.all_to_all`, else
+    :func:`all_to_all_single_uneven` (with its checks across ranks).
+
+    Parameters
+    ----------
+    output : array
+        Where the rows arrive (numpy, torch or cupy; dtype of ``input``).
+    input : array_like
+        This rank's rows.
+    output_split_sizes, input_split_sizes : sequence of int, optional
+        Row counts per rank.
+    group : Backend, optional
+        The group (default: the world, once :func:`~ferrompi.init` has run);
+        ferrompi's name ``backend=`` works too.
+    async_op : bool
+        Return the :class:`~ferrompi.PendingCollective` at once.
+    timeout : float or datetime.timedelta, optional
+        Deadline for completion.
+
+    Returns
+    -------
+    array or PendingCollective
+        ``output`` (or, with ``async_op``, the pending operation whose
+        ``wait()`` returns it).
+
+    Raises
+    ------
+    InvalidArgument
+        As :func:`~ferrompi.all_to_all` and :func:`all_to_all_single_uneven`;
+        an equal split of rows that do not divide by the group size.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     out = np.empty(3, int) if b.rank == 0 else np.empty(5, int)
+    ...     send = [1, 3] if b.rank == 0 else [2, 2]
+    ...     recv = [1, 2] if b.rank == 0 else [3, 2]
+    ...     fm.all_to_all_single(out, np.arange(4) + 10 * b.rank, recv, send, group=b)
+    ...     return out
+    >>> fm.SimulatedBackend.run(2, f)
+    [array([ 0, 10, 11]), array([ 1,  2,  3, 12, 13])]
+    """
+    backend = group_of(backend, group, _UNEVEN)
+    if output_split_sizes is None and input_split_sizes is None:
+        return all_to_all(input, backend, async_op=async_op, out=output, timeout=timeout)
+    size = backend.world_size
+    send = _equal_splits(input, size, "input") if input_split_sizes is None else input_split_sizes
+    recv = output_split_sizes
+    if recv is None:
+        recv = _equal_splits(output, size, "output")
+    return all_to_all_single_uneven(
+        input, send, recv, backend, async_op=async_op, out=output, timeout=timeout
+    )
+
+
+def _equal_splits(x, size: int, what: str) -> list[int]:
+    """``size`` equal row counts of ``x`` (torch's split left ``None``)."""
+    rows = len(x) if getattr(x, "ndim", 1) else 0
+    if not rows or rows % size:
+        raise InvalidArgument(
+            f"all_to_all_single: {what} has {rows} rows, which do not split equally "
+            f"over {size} ranks; give {what}_split_sizes"
+        )
+    return [rows // size] * size
 
 
 def _uneven(state, seconds: float, args: tuple) -> tuple:
@@ -263,7 +365,7 @@ def _out_rows(out, x, name: str) -> int:
             return shape[0]
     if shape == ():
         raise InvalidArgument(f"{name}: out is 0-d; it needs an axis 0 of rows")
-    rows = shape[0] if type(shape) is tuple else 0
+    rows = shape[0] if isinstance(shape, tuple) else 0  # torch.Size too
     check_out(out, (rows, *x.shape[1:]), x.dtype, name)
     return rows
 
@@ -433,7 +535,12 @@ def _uneven_check(
 
 
 def all_gather_v(
-    x, counts: Sequence[int] | None, backend: Backend, *, timeout: Timeout = None
+    x,
+    counts: Sequence[int] | None,
+    backend: Backend | None = None,
+    *,
+    group: Backend | None = None,
+    timeout: Timeout = None,
 ) -> np.ndarray:
     """Concatenate along axis 0 rows of different counts (``Iallgatherv``).
 
@@ -476,6 +583,8 @@ def all_gather_v(
     >>> fm.SimulatedBackend.run(2, f)[0]
     array([0, 1, 1])
     """
+    if group is not None:
+        backend = group_of(backend, group, _ALL_GATHER_V)
     return run(backend, _ALL_GATHER_V, timeout, True, _all_gather_v, (x, counts))
 
 
@@ -582,9 +691,10 @@ def _gather_problems(table: np.ndarray) -> list[str]:
 def reduce_scatter_v(
     x,
     counts: Sequence[int],
-    backend: Backend,
+    backend: Backend | None = None,
     op: ReduceOp = ReduceOp.SUM,
     *,
+    group: Backend | None = None,
     timeout: Timeout = None,
 ):
     """Reduce across ranks, then rank ``r`` keeps the next ``counts[r]`` rows (``Ireduce_scatter``).
@@ -607,6 +717,8 @@ def reduce_scatter_v(
     >>> fm.SimulatedBackend.run(2, lambda b: fm.reduce_scatter_v(np.arange(3), [2, 1], b))
     [array([0, 2]), array([4])]
     """
+    if group is not None:
+        backend = group_of(backend, group, _REDUCE_SCATTER_V)
     return run(
         backend, _REDUCE_SCATTER_V, timeout, True, scattered_rows, (x, counts, op, _same_counts)
     )
@@ -636,8 +748,9 @@ def all_to_all_v(
     x,
     send_counts: Sequence[int],
     recv_counts: Sequence[int],
-    backend: Backend,
+    backend: Backend | None = None,
     *,
+    group: Backend | None = None,
     timeout: Timeout = None,
 ) -> np.ndarray:
     """All-to-all of rows with both count tables given (``Ialltoallv``).
@@ -655,4 +768,6 @@ def all_to_all_v(
     >>> fm.SimulatedBackend.run(2, f)
     [array([ 0, 10, 11]), array([1])]
     """
-    return all_to_all_single_uneven(x, send_counts, recv_counts, backend, timeout=timeout)
+    return all_to_all_single_uneven(
+        x, send_counts, recv_counts, backend, group=group, timeout=timeout
+    )
