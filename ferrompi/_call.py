@@ -210,8 +210,8 @@ def run(backend, opcode: int, timeout: Timeout, blocking: bool, prepare, args: t
     try:
         seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
         begin, route, post, post_args, result, finish, keep, wait = prepare(state, seconds, args)
-    except FerrompiError:
-        state.fail_before_start(opcode)
+    except FerrompiError as exc:
+        state.fail_before_start(opcode, str(exc))
         raise
     if (
         route is not None

@@ -18,7 +18,7 @@ from time import monotonic_ns
 import numpy as np
 
 from . import _status_board, debug
-from ._progress import wait_step
+from ._progress import RECOVERY, wait_step
 from ._status_board import (
     ACTIVE,
     DONE,
@@ -213,12 +213,15 @@ class CommState:
             self.broken = (
                 f"this backend is unusable: {who} started collective #{seq}, which this rank "
                 "rejected before communicating; MPI would match this rank's next collective "
-                "with it and mix up their data. End the job with fm.abort()"
+                f"with it and mix up their data. {RECOVERY}"
             )
             raise DistributedError(f"{name}: {self.broken}")
         if not _status_board.spin_until(lambda: _status_board.settled(*args, rejected), deadline):
             raise timed_out(rejected, "read this rank's record")
         self.rejected = 0
+        # Every peer has read the mark: clear it, or a peer waiting in the collective
+        # that now takes number seq would read it as a rejection of that one.
+        self.rec[self.slot + REJECTED] = 0
 
     def end(self, state: int = DONE, entry: list | None = None) -> None:
         """Record the end of the operation ``entry`` (default the last begun) as ``state``."""
@@ -230,14 +233,17 @@ class CommState:
             entry[E_T_END] = now
             entry[E_STATE] = state
 
-    def fail_before_start(self, opcode: int) -> None:
-        """Record that an operation was rejected locally (peers may wait for it).
+    def fail_before_start(self, opcode: int, reason: str = "") -> None:
+        """Record that an operation was rejected locally (peers may wait for it), and why.
 
         In debug mode a rejected collective still takes part in the header
         exchange, flagged, so that its peers raise instead of waiting.
+        ``reason`` (the error's message) is written on the status board,
+        where the peers that entered the collective read it.
         """
         rec = self.rec
         if opcode not in _POINT_TO_POINT and self.broken is None:
+            _status_board.write_reason(rec, self.key, reason)
             if debug.ENABLED:
                 try:
                     seq = self.begin(opcode, rejected=True)
@@ -259,5 +265,14 @@ class CommState:
 
 _POINT_TO_POINT = frozenset(
     _status_board.OPCODE[name]
-    for name in ("send", "recv", "recv_into", "sendrecv", "isend", "irecv")
+    for name in (
+        "send",
+        "recv",
+        "recv_into",
+        "sendrecv",
+        "isend",
+        "irecv",
+        "send_object_list",
+        "recv_object_list",
+    )
 )

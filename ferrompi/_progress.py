@@ -46,6 +46,7 @@ from ._status_board import (
     E_SHAPE,
     E_STATE,
     E_T_END,
+    SETTLED,
     STATE,
     T_END,
 )
@@ -181,6 +182,14 @@ def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
     return True
 
 
+#: What to do once a group cannot communicate any more (docs/failures.md).
+RECOVERY = (
+    "To go on, every rank of the group destroys it (fm.destroy_process_group) and makes "
+    "a new one from a parent that still works (for the world: "
+    "fm.destroy_process_group(world); world = fm.init()); or end the job with fm.abort()"
+)
+
+
 def check_peers(state, seq: int, op_name: str) -> None:
     """Raise :class:`PeerRejected` if collective ``seq`` cannot complete because of a peer.
 
@@ -191,14 +200,23 @@ def check_peers(state, seq: int, op_name: str) -> None:
     mode (:mod:`ferrompi.debug`) sizes are left to its header exchange,
     which names every rank's call on every rank.
     """
-    ranks = _status_board.rejected_by(state.participant, state.world_ranks, state.key, seq)
+    # A number this rank settled is one every rank rejected, now reused by the
+    # collective it waits in: the peers' marks of it are old.
+    settled = state.rec[state.slot + SETTLED] == seq
+    ranks = (
+        []
+        if settled
+        else _status_board.rejected_by(state.participant, state.world_ranks, state.key, seq)
+    )
     if ranks:
+        why = _status_board.reasons_of(state.participant, state.world_ranks, state.key, ranks)
         who = ", ".join(f"rank {r}" for r in ranks)
+        raised = "; ".join(f"rank {r}: {why[r]}" for r in ranks if r in why)
         raise PeerRejected(
             f"{op_name} (collective #{seq} of a group of {state.size}) cannot complete: "
             f"{who} rejected its call #{seq} before communicating (the error is raised "
-            "there); MPI cannot cancel this rank's operation, so this backend is unusable. "
-            "End the job with fm.abort()"
+            f"there{': ' + raised if raised else ''}); MPI cannot cancel this rank's operation, "
+            "so this backend is unusable. " + RECOVERY
         )
     entry = state.last
     if entry[E_SEQ] != seq or entry[E_OP] not in _SAME_SIZE or entry[E_SHAPE] is None:
@@ -215,7 +233,7 @@ def check_peers(state, seq: int, op_name: str) -> None:
             f"{op_name} (collective #{seq} of a group of {state.size}): the ranks passed "
             f"arrays of different sizes: this rank has {nbytes} bytes, {who}; the "
             "collective can never complete, and MPI cannot cancel it, so this backend is "
-            "unusable. End the job with fm.abort()",
+            "unusable. " + RECOVERY,
             InvalidArgument,
         )
 
@@ -480,16 +498,14 @@ def timeout_error(
         missing, details = _status_board.describe_peers(
             state.participant, state.world_ranks, state.key, seq, opcode
         )
-        where = (
-            f"(collective #{seq} of a group of {state.size})" if seq else "from any rank"
-        )
+        where = f"(collective #{seq} of a group of {state.size})" if seq else "from any rank"
     if peer < 0 and seq and not missing:
         details = "every other rank reached it" + (f"; {details}" if details else "")
     details += extra
     state.broken = (
         f"this backend is unusable: {op_name} {where} timed out after {seconds:g} s; "
         "MPI cannot cancel it, so later operations on this communicator would be "
-        "mismatched with the other ranks'. End the job with fm.abort()"
+        "mismatched with the other ranks'. " + RECOVERY
     )
     state.end(_status_board.TIMED_OUT, entry)
     try:

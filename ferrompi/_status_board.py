@@ -93,7 +93,12 @@ NSLOTS = 256
 # records (``CommState.settle_rejection``).
 SLOT_WORDS = 6
 ENTERED, REJECTED, WAIT_BYTES, WAIT_SEQ, SETTLED = 1, 2, 3, 4, 5
-REC_WORDS = SLOT0 + NSLOTS * SLOT_WORDS
+# After the slots, why this rank last rejected a call locally, for the peers
+# that waited in it: the communicator's key, the message's length in bytes,
+# then the message (UTF-8, cut at REASON_BYTES).
+REASON = SLOT0 + NSLOTS * SLOT_WORDS
+REASON_BYTES = 248
+REC_WORDS = REASON + 2 + REASON_BYTES // 8
 assert len(OPS) <= 0xFF
 
 # States.
@@ -447,7 +452,7 @@ def _entered(row: np.ndarray, slot: int | None) -> tuple[int, int]:
 
 
 def _slot_of(row: np.ndarray, key: int) -> int | None:
-    keys = row[SLOT0::SLOT_WORDS]
+    keys = row[SLOT0:REASON:SLOT_WORDS]
     hits = np.flatnonzero(keys == key)
     return None if hits.size == 0 else SLOT0 + SLOT_WORDS * int(hits[-1])
 
@@ -487,6 +492,28 @@ def _peer_slots(
         if g in rows and g != participant.world_rank
     ]
     participant.board.fence()
+    return found
+
+
+def write_reason(rec, key: int, text: str) -> None:
+    """Record on this rank's record why it rejected a call on communicator ``key``."""
+    data = text.encode(errors="replace")[:REASON_BYTES]
+    words = np.asarray(rec)  # the record itself (a memoryview on the fast paths)
+    words[REASON + 2 :].view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+    rec[REASON + 1] = len(data)
+    rec[REASON] = key
+
+
+def reasons_of(
+    participant: Participant, world_ranks: Sequence[int], key: int, ranks: Sequence[int]
+) -> dict[int, str]:
+    """Why each of the group ``ranks`` last rejected a call on communicator ``key``, where seen."""
+    found = {}
+    for local in ranks:
+        row = participant.board.rows.get(world_ranks[local])
+        if row is not None and int(row[REASON]) == key:
+            n = min(int(row[REASON + 1]), REASON_BYTES)
+            found[local] = bytes(row[REASON + 2 :].view(np.uint8)[:n]).decode(errors="replace")
     return found
 
 

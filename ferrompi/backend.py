@@ -353,7 +353,13 @@ def init(*, timeout: Timeout = None) -> MPIBackend:
 
     Like ``torch.distributed.init_process_group``: call it once on every
     rank. Later calls return the same object (a new one once
-    :func:`~ferrompi.destroy_process_group` has destroyed it). It sets up the status board
+    :func:`~ferrompi.destroy_process_group` has destroyed it). Its
+    communicator is ferrompi's own duplicate of ``COMM_WORLD`` (same ranks),
+    as MPI libraries keep theirs: the program's own messages and
+    collectives on ``COMM_WORLD`` never meet ferrompi's, and a world that can
+    no longer communicate (a rank rejected a collective its peers had
+    entered, ``docs/failures.md``) is replaced by destroying it and calling
+    ``init`` again. It sets up the status board
     that lets a timed-out collective say which ranks are missing, and
     records how the job was launched (:func:`~ferrompi.launch_info`), logged
     at debug level on the ``"ferrompi"`` logger.
@@ -377,7 +383,11 @@ def init(*, timeout: Timeout = None) -> MPIBackend:
             # so each has mapped MPICH's node segment: its name can go now, and no
             # way of ending the job (SIGTERM, SIGKILL) leaves it in /dev/shm.
             excepthook._unlink_mpich_segments()
-            _WORLD = MPIBackend(MPI.COMM_WORLD, timeout=timeout)
+            # A duplicate of COMM_WORLD, ferrompi's own (as MPI libraries do): the
+            # program's traffic on COMM_WORLD never meets ferrompi's, and a world
+            # that can no longer communicate is replaced by destroy, then init.
+            _WORLD = MPIBackend(MPI.COMM_WORLD.Dup(), timeout=timeout)
+            _WORLD._state.owned = True  # destroy_process_group frees it
             DEFAULT_GROUP[:] = [_WORLD]  # torch's group=None from now on
             launch.record(MPI.COMM_WORLD)  # logs how the job was launched (debug level)
         return _WORLD

@@ -374,8 +374,8 @@ def allreduce_coalesced(
                     f"{name}: out must be a sequence of {len(xs)} arrays, one per input"
                 )
             targets, sinks, direct = _targets(out, xs, name)
-    except FerrompiError:
-        state.fail_before_start(OPCODE[name])
+    except FerrompiError as exc:
+        state.fail_before_start(OPCODE[name], str(exc))
         raise
     deadline = time.monotonic() + seconds
     if len(dtypes) == 1:  # the usual case: one fused buffer for all

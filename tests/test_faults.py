@@ -410,3 +410,56 @@ def test_destroyed_groups_give_their_communicators_back_and_running_out_is_an_er
         assert report["message"].startswith("split: MPI error")
         assert "Too many communicators" in report["message"]
         assert 1000 < report["kept"] < 2048  # all but the few ferrompi and MPI keep
+
+
+ONE_RANK_REJECTS = """
+    import json, time
+    import numpy as np
+    import ferrompi as fm
+
+    world = fm.init()
+    rank = world.rank
+    x = np.ones(4, dtype=object if rank == 1 else np.float64)  # rank 1's input is refused
+    start = time.monotonic()
+    try:
+        fm.allreduce(x)
+        first = None
+    except fm.FerrompiError as e:
+        first = [type(e).__name__, str(e)]
+    seconds = time.monotonic() - start
+    try:
+        fm.allreduce(np.ones(1))
+        later = None
+    except fm.FerrompiError as e:
+        later = [type(e).__name__, str(e)]
+    fm.destroy_process_group(world)  # as the errors say: every rank destroys the world
+    world = fm.init()  # and makes a new one
+    total = fm.allreduce(np.ones(1)).tolist()
+    out = {"rank": rank, "first": first, "later": later, "seconds": seconds, "total": total}
+    print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_one_rank_s_rejected_call_is_explained_on_every_rank_and_a_new_world_works(tmp_path, n):
+    """Rank 1 rejects a collective its peers entered: each rank says who, which call and
+    why, and what to do; the peers learn it from the status board (not at the 30 s
+    timeout), and after destroy + init the new world computes the right sum."""
+    proc, seconds = launch(tmp_path, ONE_RANK_REJECTS, n, env={"FERROMPI_TIMEOUT": "30"})
+    assert proc.returncode == 0, proc.stderr
+    reports = json_lines(proc.stdout)
+    assert sorted(reports) == list(range(n))
+    reason = "allreduce: dtype object is not supported"
+    for rank, report in reports.items():
+        kind, message = report["first"]
+        assert report["total"] == [float(n)]
+        assert "fm.destroy_process_group" in report["later"][1], report["later"]
+        if rank == 1:
+            assert kind == "InvalidArgument" and message.startswith(reason)
+            continue
+        assert kind == "DistributedError", message
+        said = "rank 1 rejected its call #1 before communicating (the error is raised there: "
+        assert said + f"rank 1: {reason}" in message
+        assert "world = fm.init()" in message
+        assert report["seconds"] < 10  # read on the board, long before the timeout
+    assert seconds < 60
