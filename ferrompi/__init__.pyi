@@ -15,6 +15,8 @@ from .gpu import cuda_aware as cuda_aware
 from .groups import *
 from .launch import LaunchInfo as LaunchInfo
 from .mesh import *
+from .monitored import *
+from .objects import *
 from .ops import *
 from .p2p import *
 from .placements import *

@@ -66,6 +66,7 @@ from . import _shm
 from ._comm_state import NO_ARGUMENTS
 from ._mpi import MPI
 from ._progress import (
+    RECOVERY,
     PeerRejected,
     PendingCollective,
     check_peers,
@@ -355,7 +356,7 @@ def _arrive_for_setup(backend, timeout: float, opcode: int, nbytes: int) -> None
             f"{OPS[opcode]} (collective #{seq} of a group of {state.size}): the ranks passed "
             f"arrays of different sizes: this rank has {nbytes} bytes, in the shared-memory "
             f"engine's range, and sets it up, while {who} through MPI; MPI cannot cancel their "
-            "side, so this backend is unusable. End the job with fm.abort()"
+            "side, so this backend is unusable. " + RECOVERY
         )
         state.rec[state.slot + REJECTED] = seq  # the peers' waits raise
         raise rejection_error(state, PeerRejected(message, InvalidArgument))

@@ -1,4 +1,4 @@
-"""Sub-groups of a backend: :func:`new_group` and :class:`SubBackend`.
+"""Sub-groups of a backend: :func:`new_group`, :class:`SubBackend` and torch's helpers.
 
 Three ways to get a group over some ranks of a backend ``b``:
 
@@ -9,6 +9,11 @@ Three ways to get a group over some ranks of a backend ``b``:
 * ``fm.SubBackend(b, members)`` — built by the members alone (as the
   reference crate does). Its communicator is created lazily, among the
   members only (``Comm.Create_group``), at its first operation.
+
+and torch's two ways to cut a group into several at once, each one
+``Comm.Split`` of the parent (collective over it): :func:`new_subgroups`
+(consecutive sub-groups of equal size) and :func:`split_group` (the groups
+of a list of disjoint rank lists).
 
 Ranks in ``members`` are ranks of the parent backend; the sub-group's rank
 ``i`` is ``members[i]`` (``to_global``/``to_local`` map between them).
@@ -35,13 +40,15 @@ import numpy as np
 
 from . import _status_board
 from ._arrays import check_rank
+from ._call import group_of
 from ._mpi import MPI
 from ._progress import PendingCollective, mpi_error, timeout_seconds
-from .backend import Backend, wrap_comm
-from .errors import CollectiveTimeout, DistributedError, InvalidArgument
+from ._simcomm import SimComm
+from .backend import Backend, SimulatedBackend, launch_info, wrap_comm
+from .errors import CollectiveTimeout, DistributedError, InvalidArgument, InvalidRank
 from .typing import Timeout
 
-__all__ = ["SubBackend", "destroy_process_group", "new_group"]
+__all__ = ["SubBackend", "destroy_process_group", "new_group", "new_subgroups", "split_group"]
 
 #: What operations on a destroyed group raise.
 DESTROYED = (
@@ -292,6 +299,278 @@ def new_group(
     if not member:
         return None
     return SubBackend(backend, members, timeout=timeout, _comm=comm)
+
+
+def new_subgroups(
+    group_size: int | None = None,
+    group: Backend | None = None,
+    timeout: Timeout = None,
+    *,
+    backend: Backend | str | None = None,
+    pg_options: object = None,
+    group_desc: str | None = None,
+) -> tuple[SubBackend, list[SubBackend | None]]:
+    """Cut the group into consecutive sub-groups of ``group_size`` ranks.
+
+    ``torch.distributed.new_subgroups``.
+
+    Sub-group ``i`` holds the group's ranks ``i * group_size`` to
+    ``(i + 1) * group_size - 1``. One ``Comm.Split`` of the group, so
+    collective over it: every rank calls it with the same ``group_size``.
+
+    Parameters
+    ----------
+    group_size : int, optional
+        Ranks per sub-group; it must divide the group's size. Default (as
+        torch's, the devices of a machine): the ranks per node,
+        ``fm.launch_info().local_size``, under MPI (which calls
+        :func:`~ferrompi.init` first if it has not run, collectively over
+        the world); the whole group on the simulated backend.
+    group : Backend, optional
+        The group to cut (torch's ``group=``); default: the world, once
+        :func:`~ferrompi.init` has run.
+    timeout : float or datetime.timedelta, optional
+        Bounds the wait for every rank to arrive, and is the sub-groups'
+        default timeout; default: the group's.
+    backend : Backend or str, optional
+        The group, ferrompi's way of naming it. A string is torch's backend
+        name (``"gloo"``, ``"nccl"``): accepted and ignored, since every
+        ferrompi group runs on MPI.
+    pg_options, group_desc : optional
+        torch's process-group options and description: accepted and ignored.
+
+    Returns
+    -------
+    subgroup : SubBackend
+        This rank's sub-group (``members``: its ranks in the parent group).
+    subgroups : list
+        One entry per sub-group, in order: this rank's sub-group at its
+        index, ``None`` at the others. torch's list holds a process group
+        for every sub-group, a non-member's being a placeholder that can
+        only be destroyed; a ferrompi group exists on its members only, so
+        the others are ``None``, as :func:`new_group` returns on
+        non-members. Release with
+        ``fm.destroy_process_group(subgroup)`` (or over the entries that are
+        not ``None``).
+
+    Raises
+    ------
+    InvalidArgument
+        For a ``group_size`` that is not a positive integer, exceeds the
+        group's size or does not divide it; under MPI without
+        ``group_size``, when the nodes hold different numbers of ranks; for
+        a bad timeout (all before communicating); or when this rank's
+        sub-group does not hold the ranks it expects (the ranks passed
+        different ``group_size``).
+    DistributedError
+        If no group is given and :func:`~ferrompi.init` has not run.
+    CollectiveTimeout
+        If a rank of the group does not call ``new_subgroups`` in time.
+    CommunicationError
+        If MPI cannot create the communicator (see
+        :func:`destroy_process_group`).
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     mine, subgroups = fm.new_subgroups(2, group=b)
+    ...     total = fm.allreduce(np.array([b.rank]), mine).item()
+    ...     return mine.members, total, [g is mine for g in subgroups]
+    >>> fm.SimulatedBackend.run(4, f)
+    [((0, 1), 1, [True, False]), ((0, 1), 1, [True, False]),
+     ((2, 3), 5, [False, True]), ((2, 3), 5, [False, True])]
+    """
+    name = "new_subgroups"
+    parent = group_of(None if isinstance(backend, str) else backend, group, name)
+    size = parent.world_size
+    given = group_size is not None
+    if not given:
+        group_size = _ranks_per_node(parent)
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        raise InvalidArgument(f"{name}: group_size must be a positive integer, not {group_size!r}")
+    group_size = int(group_size)
+    if group_size <= 0:
+        raise InvalidArgument(f"{name}: group_size ({group_size}) must be positive")
+    what = f"group_size ({group_size}{'' if given else ', by default the ranks per node'})"
+    if group_size > size:
+        raise InvalidArgument(f"{name}: {what} must not exceed the group's size ({size})")
+    if size % group_size:
+        raise InvalidArgument(f"{name}: the group's size ({size}) must be divisible by {what}")
+    timeout_seconds(timeout)  # a bad one raises here, before communicating
+    index = parent.rank // group_size
+    members = tuple(range(index * group_size, (index + 1) * group_size))
+    mine = _split_off(parent, index, members, timeout, name)
+    assert mine is not None  # every rank has a color
+    subgroups: list[SubBackend | None] = [None] * (size // group_size)
+    subgroups[index] = mine
+    return mine, subgroups
+
+
+def _ranks_per_node(parent: Backend) -> int:
+    """``new_subgroups``' default size: the ranks per node (simulated: the whole group)."""
+    root = parent
+    while isinstance(root, SubBackend):  # its own communicator may not exist yet
+        root = root.parent
+    if isinstance(root, SimulatedBackend) or isinstance(root.comm, SimComm):
+        return parent.world_size
+    info = launch_info()
+    if len(set(info.ranks_per_node)) > 1:
+        raise InvalidArgument(
+            "new_subgroups: no default group_size: the nodes hold different numbers of ranks "
+            f"({list(info.ranks_per_node)}); pass group_size"
+        )
+    return info.local_size
+
+
+def split_group(
+    parent_pg: Backend | None = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: Timeout = None,
+    pg_options: object = None,
+    group_desc: str | None = None,
+    backend: Backend | str | None = None,
+) -> SubBackend | None:
+    """Split a group into the groups of ``split_ranks`` (``torch.distributed.split_group``).
+
+    One ``Comm.Split`` of the parent, so collective over it: every rank of
+    the parent calls it with the same ``split_ranks``, members or not.
+
+    Parameters
+    ----------
+    parent_pg : Backend, optional
+        The parent group; default: the world, once :func:`~ferrompi.init`
+        has run.
+    split_ranks : list of lists of int
+        Disjoint lists of the parent's ranks, one per new group. As in
+        torch, each group's ranks follow the sorted order of its list, and
+        a rank in no list gets ``None``.
+    timeout : float or datetime.timedelta, optional
+        Bounds the wait for every rank to arrive, and is the new group's
+        default timeout; default: the parent's.
+    pg_options, group_desc : optional
+        torch's process-group options and description: accepted and ignored.
+    backend : Backend or str, optional
+        The parent, ferrompi's way of naming it. A string is torch's backend
+        name: accepted and ignored, since every ferrompi group runs on MPI.
+
+    Returns
+    -------
+    SubBackend or None
+        The group of the list that holds this rank (``members``: its
+        parent ranks, sorted), ``None`` if no list does.
+
+    Raises
+    ------
+    InvalidArgument
+        For ``split_ranks`` missing, empty or not lists of integers, an
+        empty list, a rank repeated in a list or in two lists, or a bad
+        timeout (all before communicating); or when this rank's new group
+        does not hold the ranks it expects (the ranks passed different
+        ``split_ranks``).
+    InvalidRank
+        For a rank outside the parent (before communicating).
+    DistributedError
+        If no parent is given and :func:`~ferrompi.init` has not run.
+    CollectiveTimeout
+        If a rank of the parent does not call ``split_group`` in time.
+    CommunicationError
+        If MPI cannot create the communicator (see
+        :func:`destroy_process_group`).
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     pair = fm.split_group(b, [[3, 1], [0, 2]])
+    ...     return pair.members, pair.rank, fm.allreduce(np.array([b.rank]), pair).item()
+    >>> fm.SimulatedBackend.run(4, f)
+    [((0, 2), 0, 2), ((1, 3), 0, 4), ((0, 2), 1, 2), ((1, 3), 1, 4)]
+    >>> fm.SimulatedBackend.run(3, lambda b: fm.split_group(backend=b, split_ranks=[[1, 2]]))[0]
+    """
+    name = "split_group"
+    parent = group_of(None if isinstance(backend, str) else backend, parent_pg, name)
+    splits = _disjoint_splits(split_ranks, parent.world_size)
+    timeout_seconds(timeout)  # a bad one raises here, before communicating
+    color, members = next(((i, s) for i, s in enumerate(splits) if parent.rank in s), (None, None))
+    return _split_off(parent, color, members, timeout, name)
+
+
+def _disjoint_splits(split_ranks, size: int) -> list[tuple[int, ...]]:
+    """``split_ranks`` checked (lists of ranks of a group of ``size``, disjoint), each sorted.
+
+    Raises
+    ------
+    InvalidArgument, InvalidRank
+        See :func:`split_group`.
+    """
+    name = "split_group"
+    shape = "a non-empty list of lists of ranks, e.g. [[0, 1], [2, 3]]"
+    if split_ranks is None or isinstance(split_ranks, (str, bytes)):
+        raise InvalidArgument(f"{name}: split_ranks must be {shape}, got {split_ranks!r}")
+    try:
+        lists = [list(s) for s in split_ranks]
+    except TypeError:
+        raise InvalidArgument(f"{name}: split_ranks must be {shape}, got {split_ranks!r}") from None
+    if not lists:
+        raise InvalidArgument(f"{name}: split_ranks is empty; it must be {shape}")
+    owner: dict[int, int] = {}
+    splits = []
+    for i, ranks in enumerate(lists):
+        if not ranks:
+            raise InvalidArgument(f"{name}: split {i} of split_ranks is empty")
+        checked = []
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+                raise InvalidArgument(f"{name}: split {i} {ranks!r} holds {r!r}, not a rank")
+            if not 0 <= r < size:
+                exc = InvalidRank(int(r), size)
+                exc.args = (
+                    f"{name}: split {i} {ranks} names rank {r}, outside the group of {size} "
+                    f"(valid ranks are 0..{size - 1})",
+                )
+                raise exc
+            checked.append(int(r))
+        repeated = sorted({r for r in checked if checked.count(r) > 1})
+        if repeated:
+            raise InvalidArgument(f"{name}: split {i} {checked} repeats rank(s) {repeated}")
+        for r in checked:
+            if r in owner:
+                j = owner[r]
+                raise InvalidArgument(
+                    f"{name}: rank {r} is in split {j} {lists[j]} and in split {i} {checked}; "
+                    "the splits must be disjoint"
+                )
+            owner[r] = i
+        splits.append(tuple(sorted(checked)))
+    return splits
+
+
+def _split_off(
+    parent: Backend, color: int | None, members: tuple[int, ...] | None, timeout: Timeout, name: str
+) -> SubBackend | None:
+    """This rank's group of one ``Comm.Split`` (:meth:`Backend.split`) over ``members``.
+
+    ``color`` None: this rank is in no group (returns None). The key is the
+    parent rank, so the group's ranks follow ``members``' (sorted) order.
+
+    Raises
+    ------
+    InvalidArgument
+        If the new group is not ``members`` (the ranks passed different arguments).
+    """
+    new = parent.split(color, key=parent.rank, timeout=timeout)
+    if new is None or members is None:
+        return None
+    world = parent._state.world_ranks
+    expected = tuple(world[m] for m in members)
+    got = new._state.world_ranks
+    if got != expected:
+        raise InvalidArgument(
+            f"{name}: this rank's new group holds the world ranks {list(got)}, not the "
+            f"{list(expected)} of its arguments: the ranks called {name} with different arguments"
+        )
+    return SubBackend(parent, members, timeout=timeout, _comm=new.comm)
 
 
 def destroy_process_group(group: Backend) -> None:

@@ -196,6 +196,16 @@ class AnySourceReceive:
 
     Wraps the :class:`~ferrompi.PendingCollective`; ``sender`` is the group
     rank the message came from (torch's ``irecv`` without ``src``).
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     if b.rank == 0:
+    ...         return fm.irecv((2,), None, b, dtype=np.int64).wait()
+    ...     fm.send(np.array([5, 6]), 0, b)
+    >>> fm.SimulatedBackend.run(2, f)[0]
+    (array([5, 6]), 1)
     """
 
     __slots__ = ("_pending", "_status")
@@ -636,6 +646,13 @@ class P2POp:
     ------
     InvalidArgument
         If ``op`` is neither ``isend`` nor ``irecv``, or no peer is given.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> b = fm.SimulatedBackend.create_group(2)[0]
+    >>> fm.P2POp(fm.isend, np.ones(2), 1, b)
+    P2POp(isend, peer=1, tag=0)
     """
 
     __slots__ = ("array", "group", "op", "peer", "tag")

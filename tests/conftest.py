@@ -68,7 +68,7 @@ def _temp_root_per_rank(config, rank: int) -> None:
         os.environ["PYTEST_DEBUG_TEMPROOT"] = root
 
 
-GROUP_FIXTURES = {"group": 1, "multigroup": 2}  # fixture name -> smallest group size
+GROUP_FIXTURES = {"group": 1, "multigroup": 2, "trio": 3}  # fixture name -> smallest group size
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,7 +1,8 @@
-"""Sub-groups: new_group and SubBackend (members only), simulated and under mpiexec."""
+"""Sub-groups (new_group, SubBackend, new_subgroups, split_group), simulated and under mpiexec."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ from mpi4py import MPI
 from support import rank_data
 
 import ferrompi as fm
+from ferrompi import _call
 
 
 def _sub_backend_members_only(b):
@@ -179,3 +181,200 @@ def test_running_out_of_communicators_says_how_to_free_them():
     assert fm.allreduce(np.ones(1), again)[0] == world.world_size
     fm.destroy_process_group(again)
     world.comm.Free()
+
+
+# ---------------------------------------------------------------------------
+# torch's new_subgroups and split_group
+# ---------------------------------------------------------------------------
+
+
+def _default_subgroup_size(b) -> int:
+    """new_subgroups' default: the ranks per node under MPI, the whole group when simulated."""
+    return fm.launch_info().local_size if isinstance(b, fm.MPIBackend) else b.world_size
+
+
+def _new_subgroups(b):
+    size, rank = b.world_size, b.rank
+    for k in [k for k in range(1, size + 1) if size % k == 0]:
+        mine, subgroups = fm.new_subgroups(k, b)  # positional group, as torch's
+        index = rank // k
+        assert mine.members == tuple(range(index * k, index * k + k))
+        assert (mine.rank, mine.world_size, mine.parent) == (rank % k, k, b)
+        assert len(subgroups) == size // k
+        assert subgroups[index] is mine
+        assert all(g is None for i, g in enumerate(subgroups) if i != index)
+        total = fm.allreduce(np.array([rank]), mine)
+        assert total[0] == sum(mine.members)
+        fm.destroy_process_group(mine)
+    mine, subgroups = fm.new_subgroups(group=b, timeout=7.0)
+    default = _default_subgroup_size(b)
+    assert mine.world_size == default and len(subgroups) == size // default
+    assert mine.timeout == 7.0  # the sub-groups' default timeout
+    fm.barrier(mine)
+    # ferrompi's backend=, and torch's backend name (ignored: every group runs on MPI)
+    mine, _ = fm.new_subgroups(1, backend=b)
+    assert mine.members == (rank,)
+    mine, _ = fm.new_subgroups(size, group=b, backend="gloo", group_desc="all", pg_options=None)
+    assert fm.allreduce(np.ones(1), mine)[0] == size
+    # one Comm.Split each, recorded as the group's collectives ("split")
+    splits = [e for e in fm.flight_record(b) if e["op"] == "split" and e["group_size"] == size]
+    assert len(splits) >= 3
+
+
+def test_new_subgroups(group):
+    group.run(_new_subgroups)
+
+
+def _new_subgroups_bad_sizes(b):
+    size = b.world_size
+    with pytest.raises(fm.InvalidArgument, match=r"group_size \(0\) must be positive"):
+        fm.new_subgroups(0, b)
+    with pytest.raises(fm.InvalidArgument, match=r"group_size \(-2\) must be positive"):
+        fm.new_subgroups(-2, b)
+    with pytest.raises(fm.InvalidArgument, match=rf"\({size + 1}\) must not exceed .*\({size}\)"):
+        fm.new_subgroups(size + 1, b)
+    for k in range(2, size):
+        if size % k:
+            with pytest.raises(
+                fm.InvalidArgument,
+                match=rf"size \({size}\) must be divisible by group_size \({k}\)",
+            ):
+                fm.new_subgroups(k, b)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(fm.InvalidArgument, match="positive integer"):
+            fm.new_subgroups(bad, b)
+    with pytest.raises(fm.InvalidArgument, match="timeout must be positive"):
+        fm.new_subgroups(1, b, timeout=-1.0)
+    with pytest.raises(fm.InvalidArgument, match="must be a ferrompi Backend"):
+        fm.new_subgroups(1, b.comm)
+    assert fm.allreduce(np.ones(1), b)[0] == size  # nothing was communicated
+
+
+def test_new_subgroups_rejects_bad_sizes_before_communicating(group):
+    group.run(_new_subgroups_bad_sizes)
+
+
+def _split_group(b):
+    size, rank = b.world_size, b.rank
+    evens, odds = list(range(0, size, 2))[::-1], list(range(1, size, 2))
+    mine = fm.split_group(b, [evens, odds] if odds else [evens])
+    expected = tuple(sorted(evens if rank % 2 == 0 else odds))  # torch sorts each list
+    assert mine.members == expected and mine.rank == expected.index(rank)
+    assert mine.parent is b
+    np.testing.assert_array_equal(fm.allreduce(np.array([rank]), mine), [sum(expected)])
+    fm.destroy_process_group(mine)
+    # a rank in no list gets None; keywords as torch's, and ferrompi's backend=
+    last = fm.split_group(backend=b, split_ranks=[[size - 1]], timeout=5.0, group_desc="last")
+    if rank == size - 1:
+        assert (last.members, last.world_size, last.timeout) == ((size - 1,), 1, 5.0)
+        fm.barrier(last)
+    else:
+        assert last is None
+    # numpy ranks, tuples, and torch's backend name (ignored)
+    pairs = [tuple(np.arange(i, min(i + 2, size))) for i in range(0, size, 2)]
+    pair = fm.split_group(b, pairs, backend="gloo")
+    assert pair.members == tuple(range(rank - rank % 2, min(rank - rank % 2 + 2, size)))
+    assert fm.allreduce(np.ones(1), pair)[0] == pair.world_size
+
+
+def test_split_group(group):
+    group.run(_split_group)
+
+
+def _split_group_bad(b):
+    size = b.world_size
+    cases = [
+        (None, fm.InvalidArgument, "split_ranks must be a non-empty list of lists"),
+        ([], fm.InvalidArgument, "split_ranks is empty"),
+        ([0], fm.InvalidArgument, r"got \[0\]"),  # a flat list: torch's lists of lists
+        ([[0], []], fm.InvalidArgument, "split 1 of split_ranks is empty"),
+        ([[0, 0]], fm.InvalidArgument, r"split 0 \[0, 0\] repeats rank\(s\) \[0\]"),
+        ([[0], [size]], fm.InvalidRank, rf"split 1 \[{size}\] names rank {size}, outside"),
+        ([[-1]], fm.InvalidRank, "names rank -1"),
+        ([[0.5]], fm.InvalidArgument, "holds 0.5, not a rank"),
+        ([[0], [0]], fm.InvalidArgument, r"rank 0 is in split 0 \[0\] and in split 1 \[0\]"),
+    ]
+    for split_ranks, error, message in cases:
+        with pytest.raises(error, match=message):
+            fm.split_group(b, split_ranks)
+    with pytest.raises(fm.InvalidRank) as info:
+        fm.split_group(b, [[size + 3]])
+    assert (info.value.rank, info.value.world_size) == (size + 3, size)
+    with pytest.raises(fm.InvalidArgument, match="timeout must be positive"):
+        fm.split_group(b, [[0]], timeout=0)
+    with pytest.raises(fm.InvalidArgument, match="two groups"):
+        fm.split_group(b, [[0]], backend=fm.SimulatedBackend.create_group(1)[0])
+    assert fm.allreduce(np.ones(1), b)[0] == size  # nothing was communicated
+
+
+def test_split_group_rejects_bad_splits_before_communicating(group):
+    group.run(_split_group_bad)
+
+
+def _different_arguments(b):
+    size, rank = b.world_size, b.rank
+    if rank == 0:  # rank 0 asks for groups of 1, the others for one group of everyone
+        with pytest.raises(fm.InvalidArgument, match="with different arguments"):
+            fm.new_subgroups(1, b)
+    else:
+        mine, _ = fm.new_subgroups(size, b)
+        assert mine.world_size == size
+
+
+def test_different_arguments_on_the_ranks_are_detected(multigroup):
+    multigroup.run(_different_arguments)
+
+
+def test_no_default_group_before_init(monkeypatch):
+    monkeypatch.setattr(_call, "DEFAULT_GROUP", [])
+    with pytest.raises(fm.DistributedError, match="no default group"):
+        fm.new_subgroups(1)
+    with pytest.raises(fm.DistributedError, match="no default group"):
+        fm.split_group(split_ranks=[[0]])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_default_group_is_the_world():
+    world = fm.init()
+    size, rank = world.world_size, world.rank
+    mine, subgroups = fm.new_subgroups(1)
+    assert mine.members == (rank,) and len(subgroups) == size
+    if fm.launch_info().local_size > 1:  # the default size does not fit a group of one
+        with pytest.raises(fm.InvalidArgument, match="by default the ranks per node"):
+            fm.new_subgroups(group=mine)
+    fm.destroy_process_group(mine)
+    everyone = fm.split_group(split_ranks=[range(size)])
+    assert everyone.members == tuple(range(size))
+    assert fm.allreduce(np.ones(1), everyone)[0] == size
+    fm.destroy_process_group(everyone)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_new_subgroups_membership_matches_torch():
+    """The same sub-groups as torch's own new_subgroups on a gloo group of the same processes."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    world = fm.init()
+    if dist.is_initialized() or fm.launch_info().node_count > 1:
+        pytest.skip("needs torch.distributed free to initialise, on one node")
+    port = None
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = MPI.COMM_WORLD.bcast(port)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.world_size
+    )
+    try:
+        size = world.world_size
+        for k in [k for k in range(1, size + 1) if size % k == 0]:
+            theirs, their_list = dist.new_subgroups(k)
+            mine, my_list = fm.new_subgroups(k, world)
+            assert list(mine.members) == dist.get_process_group_ranks(theirs)
+            assert [g is not None for g in my_list] == [
+                isinstance(g, dist.ProcessGroup) for g in their_list
+            ]
+            fm.destroy_process_group(mine)
+    finally:
+        dist.destroy_process_group()
