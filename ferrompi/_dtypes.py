@@ -93,18 +93,48 @@ def _elementwise(ufunc) -> object:
     return MPI.Op.Create(apply, commute=True)
 
 
+def _zeros_ordered(ufunc, negative_wins: bool):
+    """``ufunc`` (numpy.maximum or minimum) with -0.0 below 0.0, as IEEE's total order.
+
+    numpy gives either zero of a tie between -0.0 and 0.0, by operand order;
+    an MPI reduction applies its operation in a different order on each rank,
+    so the ranks would get zeros of different signs. Ordered, every order
+    gives the same bits: MAX is -0.0 only when both are, MIN when either is.
+    """
+
+    negative = np.logical_or if negative_wins else np.logical_and
+
+    def apply(x, y, out=None):
+        tie = (x == 0) & (y == 0)
+        if not tie.any():
+            return ufunc(x, y, out=out)
+        sign = negative(np.signbit(x), np.signbit(y)) & tie  # before out overwrites x or y
+        out = ufunc(x, y, out=out)
+        out[tie] = 0
+        out[sign] = -out.dtype.type(0)
+        return out
+
+    apply.__name__ = apply.__qualname__ = ufunc.__name__
+    return apply
+
+
+#: numpy.maximum / minimum with ordered zeros: what MAX and MIN of floats compute.
+ORDERED_MAX = _zeros_ordered(np.maximum, negative_wins=False)
+ORDERED_MIN = _zeros_ordered(np.minimum, negative_wins=True)
+
 #: MAX and MIN of floating-point arrays that keep NaN whatever the ranks'
 #: order, as ``numpy.maximum`` and ``numpy.minimum`` do. MPI's ``MAX`` and
 #: ``MIN`` compare with ``>`` and ``<``, so a NaN survives or not depending on
 #: where the ranks' values meet it (with MPICH, on some ranks and not on
-#: others). A tie between -0.0 and 0.0 may give either, as in numpy.
+#: others). A tie between -0.0 and 0.0 gives 0.0 for MAX and -0.0 for MIN on
+#: every rank (:func:`_zeros_ordered`).
 NAN_MAX = NAN_MIN = None
 #: SUM and PRODUCT of bfloat16, which MPI cannot add or multiply.
 ELEMENTWISE_SUM = ELEMENTWISE_PROD = None
 #: The MPI operation of each name the table below uses.
 _MPI_OPS: dict[str, object] = {}
 if MPI is not None:
-    NAN_MAX, NAN_MIN = _elementwise(np.maximum), _elementwise(np.minimum)
+    NAN_MAX, NAN_MIN = _elementwise(ORDERED_MAX), _elementwise(ORDERED_MIN)
     ELEMENTWISE_SUM, ELEMENTWISE_PROD = _elementwise(np.add), _elementwise(np.multiply)
     _MPI_OPS = {
         **{name: getattr(MPI, name) for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR")},
@@ -132,8 +162,8 @@ if MPI is not None:
             (MPI.LAND, np.logical_and),
             (MPI.LOR, np.logical_or),
             (MPI.LXOR, np.logical_xor),
-            (NAN_MIN, np.minimum),
-            (NAN_MAX, np.maximum),
+            (NAN_MIN, ORDERED_MIN),
+            (NAN_MAX, ORDERED_MAX),
             (ELEMENTWISE_SUM, np.add),
             (ELEMENTWISE_PROD, np.multiply),
         )
