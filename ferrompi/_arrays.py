@@ -352,7 +352,7 @@ def layout(x, op: str) -> tuple[tuple[int, ...], np.dtype]:
         If ``x`` is not an array (``op`` names the operation).
     """
     kind = kind_of(x)
-    if kind is TORCH:
+    if kind is TORCH or kind is TORCH_DEVICE:
         return tuple(x.shape), dtype_and_kind(x.dtype)[0]
     if kind is HOST and not isinstance(x, _ndarray):
         raise _not_an_array(x, op)
@@ -432,6 +432,49 @@ class _Torch(ArrayKind):
             view[...] = src
 
 
+class _TorchDevice(_Device):
+    """CUDA torch tensors: MPI (or the staging copy) works on cupy views of their memory.
+
+    The device path of :class:`_Device`, with torch tensors on the input's
+    device as results (``out=`` included), so a CUDA tensor gives a CUDA
+    tensor back. Views through ``__cuda_array_interface__``: no copy; a
+    ``requires_grad`` tensor is read as data.
+    """
+
+    __slots__ = ()
+
+    def input(self, x, op: str, comm=None):
+        return super().input(x.detach().resolve_conj().resolve_neg(), op, comm)
+
+    def new_output(self, like, shape, dtype, op, comm=None):
+        device = like.device if like is not None else "cuda"
+        result = _torch().empty(shape, dtype=_torch_dtype(dtype), device=device)
+        return result, self._buffer(gpu.as_cupy(result, op), shape, dtype, comm)[1], self
+
+    def take_out(self, out, shape, dtype, op, comm=None):
+        view = gpu.as_cupy(self.check_out(out, shape, dtype, op).detach(), op)
+        return out, self._buffer(view, shape, dtype, comm)[1], self
+
+    def check_out(self, out, shape, dtype, op):
+        if not isinstance(out, _torch().Tensor) or not out.is_cuda:
+            raise _not_an_array(out, op)
+        if tuple(out.shape) != shape or out.dtype != _torch_dtype(dtype):
+            raise InvalidArgument(
+                f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                f"expected shape {shape} and dtype {_torch_dtype(dtype)}"
+            )
+        return out
+
+    def wrap(self, buf):
+        """A tensor over the cupy array ``buf`` (no copy): a result made of a fused buffer."""
+        return _torch().as_tensor(buf, device=f"cuda:{buf.device.id}")
+
+    def copy_into(self, dst, src) -> None:
+        view = gpu.as_cupy(dst.detach(), "copy")
+        if view.data.ptr != getattr(getattr(src, "data", None), "ptr", None):  # else MPI wrote it
+            super().copy_into(view, src)
+
+
 #: numpy arrays and what ``numpy.asarray`` takes.
 HOST = _Host()
 
@@ -441,15 +484,19 @@ DEVICE = _Device()
 #: torch tensors on the CPU.
 TORCH = _Torch()
 
+#: torch tensors on a CUDA device.
+TORCH_DEVICE = _TorchDevice()
+
 
 def kind_of(x) -> ArrayKind:
-    """The adapter of ``x``'s kind: :data:`TORCH` for CPU torch tensors, :data:`DEVICE`
-    for device arrays (CUDA tensors among them), else :data:`HOST`."""
+    """The adapter of ``x``'s kind: :data:`TORCH` for CPU torch tensors,
+    :data:`TORCH_DEVICE` for CUDA ones, :data:`DEVICE` for other device arrays,
+    else :data:`HOST`."""
     if type(x) is _ndarray:
         return HOST
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor) and not x.is_cuda:
-        return TORCH
+    if torch is not None and isinstance(x, torch.Tensor):
+        return TORCH_DEVICE if x.is_cuda else TORCH
     return DEVICE if hasattr(x, _CAI) else HOST
 
 

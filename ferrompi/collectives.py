@@ -49,6 +49,7 @@ from ._arrays import (
     HOST,
     POOL_FROM,
     TORCH,
+    TORCH_DEVICE,
     buffer_of,
     check_out,
     check_rank,
@@ -344,7 +345,7 @@ def allreduce_coalesced(
 
         def prepare(i, x):
             kind = kind_of(x)
-            if kind is TORCH:
+            if kind is TORCH or kind is TORCH_DEVICE:
                 kinds[i] = kind
             x = kind.input(x, name)  # a device array stays on its device
             if not isinstance(x, _ndarray):
@@ -744,7 +745,8 @@ def all_gather_into_tensor(
     out = output_tensor
     shape = tuple(getattr(input_tensor, "shape", ()))
     if len(shape) and tuple(getattr(out, "shape", ())) == (backend.world_size, *shape):
-        contiguous = out.is_contiguous() if kind_of(out) is TORCH else out.flags.c_contiguous
+        torch_out = kind_of(out) in (TORCH, TORCH_DEVICE)
+        contiguous = out.is_contiguous() if torch_out else out.flags.c_contiguous
         if not contiguous:
             raise InvalidArgument(
                 "all_gather_into_tensor: output_tensor must be C-contiguous to take the "

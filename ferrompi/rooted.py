@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import DEVICE, HOST, TORCH, check_rank, datatype_of, kind_of, output
+from ._arrays import DEVICE, HOST, TORCH, TORCH_DEVICE, check_rank, datatype_of, kind_of, output
 from ._call import STEPS, conclusion, group_and_rank, run
 from ._dtypes import dtype_code, dtype_of_code, reduction, torch_reduce_op
 from ._mpi import MPI
@@ -54,7 +54,7 @@ _INT64 = MPI.INT64_T
 _NDIM, _DTYPE, _KIND, _SHAPE = range(4)
 _HEADER_WORDS = _SHAPE + 64  # numpy's most dimensions
 #: The kinds scatter's root names to the other ranks (their result's kind).
-_KINDS = (HOST, TORCH, DEVICE)
+_KINDS = (HOST, TORCH, DEVICE, TORCH_DEVICE)
 #: How much of the source's error message scatter's header carries to the others.
 _REASON_BYTES = (_HEADER_WORDS - _SHAPE) * 8
 

@@ -499,3 +499,35 @@ def test_pinned_pool_reuses_and_stays_bounded(cp):
         assert staged.free_bytes == kept
     finally:
         gpu.set_cuda_aware(None)
+
+
+# ---------------------------------------------------------------------------
+# CUDA torch tensors: need torch with CUDA, cupy and a device
+# ---------------------------------------------------------------------------
+
+
+def _torch_cuda(b, torch):
+    """CUDA tensors in, CUDA tensors out (the input's device), values against numpy."""
+    size, rank = b.world_size, b.rank
+    inputs = [rank_data(r, (2 * size, 3), np.float32, seed=7) for r in range(size)]
+    x = torch.from_numpy(inputs[rank]).cuda().requires_grad_()
+    checks = {
+        "allreduce": (fm.allreduce(x, b), _sum(inputs)),
+        "all_gather": (fm.all_gather(x, b), np.concatenate(inputs)),
+        "reduce_scatter": (fm.reduce_scatter(x, b), _sum(inputs)[2 * rank : 2 * rank + 2]),
+        "broadcast": (fm.broadcast(x, b, root=size - 1), inputs[-1]),
+        "coalesced": (fm.allreduce_coalesced([x[:1], x[1:]], b)[1], _sum(inputs)[1:]),
+    }
+    out = torch.empty((2 * size, 3), device=x.device)
+    checks["out="] = (fm.allreduce(x, b, out=out), _sum(inputs))
+    for name, (got, want) in checks.items():
+        assert isinstance(got, torch.Tensor) and got.device == x.device, (name, type(got))
+        np.testing.assert_array_equal(got.cpu().numpy(), want, err_msg=name)
+    assert checks["out="][0] is out
+
+
+def test_cuda_torch_tensors_give_cuda_tensors(group, cp):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    group.run(_torch_cuda, torch)
