@@ -78,8 +78,8 @@ class ReduceOp(enum.Enum):
         if isinstance(op, ReduceOp):
             return op, None
         factor = None
-        if hasattr(op, "op") and hasattr(op, "factor"):  # a torch ReduceOp object
-            op, factor = op.op, op.factor
+        if type(op).__name__ == "ReduceOp" and hasattr(op, "op"):  # a torch ReduceOp object
+            op, factor = op.op, (op.factor if op.op.name == "PREMUL_SUM" else None)
         name = getattr(op, "name", None)
         if name == "PREMUL_SUM" and factor is not None:
             return cls.SUM, float(factor)

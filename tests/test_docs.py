@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import os
 import pathlib
 import pkgutil
@@ -165,10 +166,18 @@ def test_page_scripts(page, tmp_path):
 # ---------------------------------------------------------------------------
 
 
+#: Modules that need an optional package, by the package's name.
+NEEDS = {"ferrompi.torch": "torch"}
+
+
 def _modules() -> list[str]:
+    """ferrompi's modules, without those whose optional package is not installed."""
     names = ["ferrompi"]
     for info in pkgutil.walk_packages(ferrompi.__path__, "ferrompi."):
-        if not info.name.rsplit(".", 1)[-1] == "__main__":
+        if info.name.rsplit(".", 1)[-1] == "__main__":
+            continue
+        needs = NEEDS.get(info.name)
+        if needs is None or importlib.util.find_spec(needs) is not None:
             names.append(info.name)
     return sorted(names)
 

@@ -1,0 +1,526 @@
+"""ferrompi as a ``torch.distributed`` backend: unmodified torch programs on MPI.
+
+``import ferrompi.torch`` registers the backend ``"ferrompi"``; then, under
+``mpiexec -n N``, ``srun`` or ``python -m ferrompi``::
+
+    import torch.distributed as dist
+    import ferrompi.torch  # noqa: F401
+
+    dist.init_process_group("ferrompi")  # nothing else to set
+
+Rank and world size come from MPI (torch's rank is the MPI rank). When
+``MASTER_ADDR`` / ``MASTER_PORT`` are not set, the store torch needs (its
+``env://`` rendezvous) is a ``TCPStore`` on rank 0 whose address and port
+rank 0 sends the others over MPI: nothing to set by hand. Given
+``init_method=``, ``rank=`` and ``world_size=``, torch's own rendezvous is
+used; the ranks must be MPI's.
+
+Every operation of torch's ``ProcessGroup`` runs on ferrompi's own
+collectives and messages, on a communicator of the group's own (a duplicate
+of the world's, or its members' for a sub-group), so the status board,
+flight recorder and timeouts that name the missing rank apply; the timeout
+of ``init_process_group`` / ``new_group`` is the group's. Operations start
+(the MPI request is posted) in the calling thread, in program order, as MPI
+requires; each returns a :class:`FerrompiWork` whose future completes when
+MPI does: a progress thread completes the works in order, or ``wait()``
+does, whichever comes first. So DDP's bucket all-reduces overlap its
+backward pass, and a blocking call pays no hand-off to another thread.
+
+Examples
+--------
+>>> import torch, torch.distributed as dist
+>>> import ferrompi.torch
+>>> "ferrompi" in dist.Backend.backend_list
+True
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from ._mpi import MPI, require_mpi
+from .backend import MPIBackend, init
+from .collectives import (
+    all_gather,
+    all_to_all,
+    allreduce,
+    allreduce_coalesced,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
+from .errors import InvalidArgument
+from .groups import SubBackend, destroy_process_group
+from .monitored import monitored_barrier
+from .p2p import irecv, isend
+from .rooted import gather, reduce, scatter
+from .uneven import all_to_all_single_uneven
+
+__all__ = ["BACKEND_NAME", "FerrompiWork", "ProcessGroupFerrompi"]
+
+#: The name torch knows the backend by: ``init_process_group("ferrompi")``.
+BACKEND_NAME = "ferrompi"
+
+
+# ---------------------------------------------------------------------------
+# works: started in the caller's thread, completed by the progress thread or wait()
+# ---------------------------------------------------------------------------
+
+
+class FerrompiWork(dist._Work):
+    """The pending operation of a ferrompi process group (torch's ``Work``).
+
+    ``wait()`` completes it (raising ferrompi's error, a timeout naming the
+    missing rank among them); ``get_future()`` is a ``torch.futures.Future``
+    completed with the output tensors when MPI completes, by the progress
+    thread if no one waits first.
+    """
+
+    def __init__(self, pendings: list, outputs: list, finish=None, source=None) -> None:
+        super().__init__()
+        self._pendings = pendings
+        self._outputs = outputs
+        self._finish = finish  # run once every pending has completed (copies out)
+        self._source = source  # a receive from any source: its AnySourceReceive
+        self._sender = -1
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._future: torch.futures.Future = torch.futures.Future()
+        if pendings:
+            _progress().put(self)
+        else:
+            self._complete()
+
+    def _complete(self) -> None:
+        """Complete every pending operation, once; record the error if one fails."""
+        with self._lock:
+            if self._done:
+                return
+            try:
+                for pending in self._pendings:
+                    got = pending.wait()
+                    if pending is self._source:
+                        self._sender = got[1]
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._pendings = []
+                self._done = True  # before the future: its waiters may ask at once
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._outputs)
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._sender
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class _Progress:
+    """The thread that completes the works in the order they started."""
+
+    def __init__(self) -> None:
+        self.works: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="ferrompi-torch", daemon=True)
+        self.thread.start()
+
+    def put(self, work: FerrompiWork) -> None:
+        self.works.put(work)
+
+    def _run(self) -> None:
+        while True:
+            self.works.get()._complete()
+
+
+_PROGRESS: list[_Progress] = []
+_PROGRESS_LOCK = threading.Lock()
+
+
+def _progress() -> _Progress:
+    if not _PROGRESS:
+        with _PROGRESS_LOCK:
+            if not _PROGRESS:
+                _PROGRESS.append(_Progress())
+    return _PROGRESS[0]
+
+
+# ---------------------------------------------------------------------------
+# the process group
+# ---------------------------------------------------------------------------
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as 1-D, a view when it is contiguous."""
+    return t.reshape(-1)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as rows (at least 1-D), a view."""
+    return t if t.dim() else t.reshape(1)
+
+
+class ProcessGroupFerrompi(dist.ProcessGroup):
+    """torch's ``ProcessGroup`` over a ferrompi backend (the group's communicator).
+
+    Parameters
+    ----------
+    backend : Backend
+        The ferrompi group (its rank and size are torch's).
+    """
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend.rank, backend.world_size)
+        self.backend = backend
+        self._coalescing: list | None = None
+        self._name = self._desc = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return self._desc
+
+    def shutdown(self) -> None:
+        """``destroy_process_group``: free the group's communicator (and node engine)."""
+        destroy_process_group(self.backend)
+
+    @property
+    def _b(self):
+        return self.backend
+
+    def _work(self, pendings, outputs, finish=None, source=None) -> FerrompiWork:
+        if self._coalescing is not None:  # torch's coalescing manager: one work at its end
+            self._coalescing.append((pendings, outputs, finish))
+        return FerrompiWork(pendings, outputs, finish, source)
+
+    def _start_coalescing(self, device) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device) -> FerrompiWork:
+        parts, self._coalescing = self._coalescing or [], None
+        finishes = [f for _, _, f in parts if f is not None]
+        return FerrompiWork(
+            [p for pendings, _, _ in parts for p in pendings],
+            [t for _, outputs, _ in parts for t in outputs],
+            (lambda: [f() for f in finishes]) if finishes else None,
+        )
+
+    # -- reductions ----------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts)
+        pendings = [allreduce(t, self._b, op, out=t, async_op=True) for t in tensors]
+        return self._work(pendings, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        allreduce_coalesced(tensors, self._b, _op(opts), out=tensors)
+        return self._work([], tensors)
+
+    def reduce(self, tensors, opts=None):
+        root, op = opts.rootRank, _op(opts)
+        pendings = [reduce(t, self._b, root, op, out=t, async_op=True) for t in tensors]
+        return self._work(pendings, tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        pending = reduce_scatter(_flat(input), self._b, _op(opts), out=_flat(output), async_op=True)
+        return self._work([pending], [output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = _op(opts)
+        pendings = [
+            reduce_scatter(_flat(i), self._b, op, out=_flat(o), async_op=True)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._work(pendings, outputs)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _op(opts)
+        pendings = []
+        for out, parts in zip(output_tensors, input_tensors, strict=True):
+            fused = torch.cat([_flat(p) for p in parts])
+            pendings.append(reduce_scatter(fused, self._b, op, out=_flat(out), async_op=True))
+        return self._work(pendings, output_tensors)
+
+    # -- broadcast, gathers and scatters ---------------------------------------
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        pendings = [broadcast(t, self._b, root, out=t, async_op=True) for t in tensors]
+        return self._work(pendings, tensors)
+
+    def _allgather_base(self, output, input, opts=None):
+        pending = all_gather(_flat(input), self._b, out=_flat(output), async_op=True)
+        return self._work([pending], [output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        pendings = [
+            all_gather(_flat(i), self._b, out=_flat(o), async_op=True)
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._work(pendings, outputs)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        pendings, copies = [], []
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
+            pendings.append(all_gather(_flat(inp), self._b, out=fused, async_op=True))
+            copies.append((outs, fused))
+        return self._work(pendings, output_tensors, _copy_parts(copies))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root, inp = opts.rootRank, input_tensors[0]
+        if self._b.rank == root:
+            outs = output_tensors[0]
+            fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
+            pending = gather(_flat(inp), self._b, root, out=fused, async_op=True)
+            return self._work([pending], output_tensors, _copy_parts([(outs, fused)]))
+        pending = gather(_flat(inp), self._b, root, async_op=True)
+        return self._work([pending], output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root, out = opts.rootRank, output_tensors[0]
+        rows = None
+        if self._b.rank == root:
+            rows = torch.cat([_flat(t) for t in input_tensors[0]])
+        pending = scatter(rows, self._b, root, out=_flat(out), async_op=True)
+        return self._work([pending], output_tensors)
+
+    # -- all-to-all --------------------------------------------------------------
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        b = self._b
+        if not output_split_sizes and not input_split_sizes:
+            pending = all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=True)
+        else:
+            send = list(input_split_sizes) or _equal(input, b.world_size)
+            recv = list(output_split_sizes) or _equal(output, b.world_size)
+            pending = all_to_all_single_uneven(
+                _rows_of(input), send, recv, b, out=_rows_of(output), async_op=True
+            )
+        return self._work([pending], [output])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        send = [t.numel() for t in input_tensors]
+        recv = [t.numel() for t in output_tensors]
+        fused_in = torch.cat([_flat(t) for t in input_tensors])
+        fused_out = torch.empty(sum(recv), dtype=fused_in.dtype, device=fused_in.device)
+        pending = all_to_all_single_uneven(
+            fused_in, send, recv, self._b, out=fused_out, async_op=True
+        )
+        return self._work([pending], output_tensors, _copy_parts([(output_tensors, fused_out)]))
+
+    # -- messages and barriers -------------------------------------------------
+
+    def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
+        pendings = [isend(t, dstRank, self._b, tag) for t in tensors]
+        return self._work(pendings, tensors)
+
+    def recv(self, tensors, srcRank, tag):  # noqa: N803
+        pendings = [_recv_into(t, srcRank, self._b, tag) for t in tensors]
+        return self._work(pendings, tensors)
+
+    def recv_anysource(self, tensors, tag):
+        pending = _recv_into(tensors[0], None, self._b, tag)
+        return self._work([pending], tensors, source=pending)
+
+    def barrier(self, opts=None):
+        return self._work([barrier(self._b, async_op=True)], [])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        monitored_barrier(self._b, timeout=timeout, wait_all_ranks=wait_all_ranks)
+        return self._work([], [])
+
+
+# torch 2.13's names of the same operations
+ProcessGroupFerrompi.all_gather_single = ProcessGroupFerrompi._allgather_base
+ProcessGroupFerrompi.reduce_scatter_single = ProcessGroupFerrompi._reduce_scatter_base
+ProcessGroupFerrompi.all_to_all_single = ProcessGroupFerrompi.alltoall_base
+ProcessGroupFerrompi.all_gather_single_coalesced = (
+    ProcessGroupFerrompi.allgather_into_tensor_coalesced
+)
+ProcessGroupFerrompi.reduce_scatter_single_coalesced = (
+    ProcessGroupFerrompi.reduce_scatter_tensor_coalesced
+)
+
+
+def _op(opts):
+    """torch's reduction of ``opts`` (``SUM`` without), as ferrompi takes it."""
+    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+
+
+def _equal(t: torch.Tensor, size: int) -> list[int]:
+    rows = t.shape[0] if t.dim() else 1
+    return [rows // size] * size
+
+
+def _recv_into(t: torch.Tensor, src, backend, tag: int):
+    """``irecv`` into the tensor ``t`` (from any rank when ``src`` is None)."""
+    return irecv(tuple(t.shape), src, backend, t.dtype, tag, out=t)
+
+
+def _copy_parts(copies: list):
+    """The finish step that copies each fused result into its list of tensors."""
+
+    def finish() -> None:
+        for outs, fused in copies:
+            at = 0
+            for out in outs:
+                n = out.numel()
+                out.copy_(fused[at : at + n].view(out.shape))
+                at += n
+
+    return finish
+
+
+# ---------------------------------------------------------------------------
+# creation: the backend's groups and the store over MPI
+# ---------------------------------------------------------------------------
+
+_WORLD: list = []  # the bridge's own duplicate of the world, parent of its sub-groups
+
+
+def _seconds(timeout) -> float | None:
+    if timeout is None:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+def _create(dist_backend_opts, backend_options) -> ProcessGroupFerrompi:
+    """torch's creator of a ``"ferrompi"`` group: the members' communicator, wrapped."""
+    require_mpi()
+    init()
+    world_size = MPI.COMM_WORLD.Get_size()
+    members = list(dist_backend_opts.global_ranks_in_group) or list(range(world_size))
+    timeout = _seconds(dist_backend_opts.timeout)
+    if dist_backend_opts.group_size != len(members):
+        raise InvalidArgument(
+            f"ferrompi backend: group of {dist_backend_opts.group_size} ranks but "
+            f"{len(members)} global ranks given"
+        )
+    if not _WORLD or _WORLD[0]._state.destroyed:  # the default group: the world
+        if members != list(range(world_size)):
+            raise InvalidArgument(
+                "ferrompi backend: the first group must be the world "
+                f"(init_process_group on all {world_size} MPI ranks), not ranks {members}"
+            )
+        backend = MPIBackend(MPI.COMM_WORLD.Dup(), timeout=timeout)
+        backend._state.owned = True
+        _WORLD[:] = [backend]
+    elif members == list(range(world_size)):  # another group of every rank
+        backend = MPIBackend(_WORLD[0].comm.Dup(), timeout=timeout)
+        backend._state.owned = True
+    else:  # created among the members only, at its first operation
+        backend = SubBackend(_WORLD[0], members, timeout=timeout)
+    if dist_backend_opts.group_rank != backend.rank:
+        raise InvalidArgument(
+            f"ferrompi backend: torch's rank {dist_backend_opts.group_rank} is not the MPI "
+            f"rank {backend.rank}: launch with mpiexec/srun and leave rank= to MPI"
+        )
+    pg = ProcessGroupFerrompi(backend)
+    pg._set_group_name(dist_backend_opts.group_id)  # torch keeps a Python group as it is
+    return pg
+
+
+def _store_over_mpi(timeout: datetime.timedelta) -> dist.TCPStore:
+    """A ``TCPStore`` on rank 0, its address and port sent to the others over MPI."""
+    require_mpi()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        host = socket.gethostname()
+        store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+        address = (host, store.port)
+    else:
+        address = None
+    host, port = comm.bcast(address, root=0)
+    if rank == 0:
+        return store
+    return dist.TCPStore(host, port, size, False, timeout=timeout)
+
+
+# the module (torch.distributed's attribute of that name is its function)
+_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+_TORCH_ENV = _rendezvous._rendezvous_handlers["env"]
+
+
+def _env_or_mpi(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs):
+    """torch's ``env://`` rendezvous, or, without ``MASTER_ADDR`` / ``MASTER_PORT``, MPI's.
+
+    Rank and world size are MPI's; a rank or size given in ``url`` must be them.
+    """
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        yield from _TORCH_ENV(url, timeout=timeout, **kwargs)
+        return
+    require_mpi()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    query = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p)
+    for name, mine in (("rank", rank), ("world_size", size)):
+        if name in query and int(query[name]) != mine:
+            raise ValueError(
+                f"env:// rendezvous over MPI: {name}={query[name]} was given but MPI says "
+                f"{mine}; torch's ranks are MPI's (leave rank= and world_size= out)"
+            )
+    yield (_store_over_mpi(timeout), rank, size)
+    raise RuntimeError("Unable to perform re-rendezvous using env:// over MPI")
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
+        )
+    _rendezvous._rendezvous_handlers["env"] = _env_or_mpi
+
+
+_register()

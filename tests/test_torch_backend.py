@@ -1,0 +1,293 @@
+"""ferrompi as torch.distributed's backend ``"ferrompi"``: torch's own calls and stacks on MPI.
+
+Under ``mpiexec -n N python -m pytest --with-mpi``: ``import ferrompi.torch``,
+then ``init_process_group("ferrompi")`` with no ``MASTER_ADDR`` /
+``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` (the store comes over MPI).
+References: torch's gloo backend in the same processes (a gloo group over
+the same ranks), and single-process training on the whole batch for DDP.
+Skipped without torch (``pip install torch==2.13.0``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+import ferrompi as fm
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+nn = torch.nn
+
+pytestmark = [
+    pytest.mark.mpi(min_size=2),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),  # torch's *_into_tensor renames
+]
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """``(ferrompi default group, gloo group of every rank)``, set up with nothing in the env."""
+    import ferrompi.torch  # noqa: F401 - registers the backend; only where torch is
+
+    saved = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    fm.init()
+    dist.init_process_group("ferrompi")
+    gloo = dist.new_group(backend="gloo")
+    yield dist.group.WORLD, gloo
+    dist.destroy_process_group()
+    os.environ.update(saved)
+
+
+def _values(shape, dtype, seed: int):
+    """Exact small values (quarters), the same on every rank for ``seed``, per rank apart."""
+    rng = np.random.default_rng([seed, dist.get_rank()])
+    values = torch.from_numpy(rng.integers(-8, 9, size=shape) / 4)
+    return values.to(dtype)
+
+
+def test_rank_and_size_are_mpi_s(groups):
+    world = fm.init()
+    assert (dist.get_rank(), dist.get_world_size()) == (world.rank, world.world_size)
+    assert dist.get_backend() == "ferrompi"
+    assert "MASTER_ADDR" not in os.environ
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "bfloat16"])
+def test_every_collective_matches_gloo(groups, dtype):
+    ours, gloo = groups
+    dtype = getattr(torch, dtype)
+    n = dist.get_world_size()
+    x = _values((2 * n, 3), dtype, seed=1)
+    ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT]
+    if dtype.is_floating_point and dtype != torch.bfloat16:
+        ops.append(dist.ReduceOp.AVG)
+
+    def both(call):
+        got = [call(group) for group in (ours, gloo)]
+        torch.testing.assert_close(got[0], got[1], rtol=0, atol=0, equal_nan=True)
+
+    for op in ops:
+        both(lambda g, op=op: _allreduced(x, op, g))
+        both(lambda g, op=op: _reduced(x, op, g))
+    both(lambda g: _broadcast(x, g))
+    both(lambda g: _gathered(x, g))
+    both(lambda g: torch.cat(_listed(x, g)))
+    both(lambda g: _scattered(x, g))
+    both(lambda g: _to_all(x, g))
+    if dtype != torch.bfloat16:  # gloo has no uneven all-to-all of bfloat16
+        both(lambda g: _to_all_uneven(x, g))
+
+
+def _allreduced(x, op, group):
+    """all_reduce's result (the call works in place, on a copy of ``x``)."""
+    t = x.clone()
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _reduced(x, op, group):
+    out = torch.empty(x.shape[0] // dist.get_world_size(), *x.shape[1:], dtype=x.dtype)
+    dist.reduce_scatter_tensor(out, x.clone(), op=op, group=group)
+    return out
+
+
+def _broadcast(x, group):
+    t = x.clone()
+    dist.broadcast(t, src=dist.get_world_size() - 1, group=group)
+    return t
+
+
+def _gathered(x, group):
+    out = torch.empty(dist.get_world_size() * x.shape[0], *x.shape[1:], dtype=x.dtype)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _listed(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+def _scattered(x, group):
+    n = dist.get_world_size()
+    out = torch.empty_like(x[:2])
+    parts = list(x.chunk(n)) if dist.get_rank() == 0 else None
+    dist.scatter(out, parts, src=0, group=group)
+    return out
+
+
+def _to_all(x, group):
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _to_all_uneven(x, group):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    send = [(rank + j) % n for j in range(n)]
+    send[-1] += x.shape[0] - sum(send)
+    table = [[(r + j) % n for j in range(n)] for r in range(n)]
+    for r in range(n):
+        table[r][-1] += x.shape[0] - sum(table[r])
+    recv = [table[j][rank] for j in range(n)]
+    out = torch.empty(sum(recv), *x.shape[1:], dtype=x.dtype)
+    dist.all_to_all_single(out, x, recv, send, group=group)
+    return out
+
+
+def test_rooted_messages_objects_and_barrier_match_gloo(groups):
+    ours, gloo = groups
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = _values((3,), torch.float32, seed=2)
+    results = {}
+    for name, g in (("ferrompi", ours), ("gloo", gloo)):
+        got = {}
+        t = x.clone()
+        dist.reduce(t, dst=n - 1, op=dist.ReduceOp.MAX, group=g)
+        got["reduce"] = t if rank == n - 1 else None
+        parts = [torch.empty(3) for _ in range(n)] if rank == 0 else None
+        dist.gather(x, parts, dst=0, group=g)
+        got["gather"] = parts
+        objects = [None] * n
+        dist.all_gather_object(objects, {"rank": rank, "x": x.tolist()}, group=g)
+        got["all_gather_object"] = objects
+        box = [{"step": 7}] if rank == 1 else [None]
+        dist.broadcast_object_list(box, src=1, group=g)
+        got["broadcast_object_list"] = box
+        if rank == 0:
+            dist.send(x * 3, dst=n - 1, group=g)
+        elif rank == n - 1:
+            y = torch.empty(3)
+            dist.recv(y, src=0, group=g)
+            got["recv"] = y
+        dist.barrier(group=g)
+        results[name] = got
+    for key, value in results["gloo"].items():
+        mine = results["ferrompi"][key]
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(mine, value, rtol=0, atol=0)
+        elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+            for a, b in zip(mine, value, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        else:
+            assert mine == value, key
+
+
+def test_async_works_complete_through_their_futures(groups):
+    n = dist.get_world_size()
+    tensors = [torch.full((1000,), float(i)) for i in range(6)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    futures = [w.get_future() for w in works]
+    chained = futures[-1].then(lambda f: f.value()[0] * 2)
+    assert [f.wait()[0][0].item() for f in futures] == [n * i for i in range(6)]
+    assert chained.wait()[0].item() == 2 * n * 5
+    assert all(w.is_completed() for w in works)
+    got = torch.empty(1)
+    if dist.get_rank() == 0:
+        for _ in range(1, n):
+            w = dist.irecv(got, tag=9)  # any source
+            w.wait()
+            assert got.item() == w._source_rank()
+    else:
+        dist.send(torch.tensor([float(dist.get_rank())]), dst=0, tag=9)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
+
+
+def _train(model, steps, batches, ddp_kwargs=None, hook=None, accumulate=1):
+    """Train ``model`` with DDP on this rank's slice of each batch (None: the whole batch)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    net = model if ddp_kwargs is None else nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    if hook is not None:
+        net.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batches[step * accumulate + micro]
+            if ddp_kwargs is not None:
+                x, y = x.chunk(n)[rank], y.chunk(n)[rank]
+            last = micro == accumulate - 1
+            context = net.no_sync() if ddp_kwargs is not None and not last else nullcontext()
+            with context:
+                loss = nn.functional.mse_loss(net(x), y) / accumulate
+                loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _batches(count: int):
+    g = torch.Generator().manual_seed(3)
+    n = dist.get_world_size()
+    return [
+        (torch.randn(4 * n, 8, generator=g), torch.randn(4 * n, 4, generator=g))
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [
+        {"bucket_cap_mb": 25},
+        {"bucket_cap_mb": 0.001},
+        {"bucket_cap_mb": 0.001, "gradient_as_bucket_view": True},
+        {"bucket_cap_mb": 0.01, "find_unused_parameters": True},
+    ],
+    ids=["one-bucket", "small-buckets", "bucket-view", "find-unused"],
+)
+def test_ddp_equals_big_batch_training(groups, ddp_kwargs):
+    batches = _batches(4)
+    want = _train(_model(), 4, batches)
+    got = _train(_model(), 4, batches, ddp_kwargs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_no_sync_and_a_comm_hook(groups):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    batches = _batches(6)
+    want = _train(_model(), 3, batches, accumulate=2)
+    got = _train(_model(), 3, batches, {"bucket_cap_mb": 0.001}, accumulate=2)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    hooked = _train(
+        _model(), 3, batches[:3], {"bucket_cap_mb": 0.001}, hook=default_hooks.allreduce_hook
+    )
+    plain = _train(_model(), 3, batches[:3])
+    for a, b in zip(hooked, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_new_group_runs_on_the_members_communicator(groups):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    members = list(range(1, n))
+    sub = dist.new_group(members)
+    if rank in members:
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=sub)
+        assert t.item() == sum(members)
+        assert dist.get_rank(sub) == members.index(rank)
+        dist.destroy_process_group(sub)  # torch's rule: its members destroy it
+
+
+def test_a_missing_rank_is_named_within_the_group_timeout(groups):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    short = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    if rank == n - 1:  # never joins
+        dist.barrier()
+        return
+    with pytest.raises(fm.CollectiveTimeout, match=rf"rank {n - 1}\b"):
+        dist.all_reduce(torch.ones(1), group=short)
+    dist.barrier()
