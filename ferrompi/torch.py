@@ -36,6 +36,7 @@ True
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import os
@@ -94,7 +95,11 @@ class FerrompiWork(dist._Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        # torch's Future has no error setter for C++ readers (DDP's reducer): a callback
+        # that raises gives its chained future a real error, so the work completes an
+        # inner future and its future is that chain.
+        self._inner: torch.futures.Future = torch.futures.Future()
+        self._future = self._inner.then(self._outcome)
         if pendings:
             _progress().put(self)
         else:
@@ -117,10 +122,13 @@ class FerrompiWork(dist._Work):
             finally:
                 self._pendings = []
                 self._done = True  # before the future: its waiters may ask at once
+        self._inner.set_result(None)
+
+    def _outcome(self, inner) -> list:
+        """The chained future's value: the outputs, or the operation's error raised."""
         if self._error is not None:
-            self._future.set_exception(self._error)
-        else:
-            self._future.set_result(self._outputs)
+            raise self._error
+        return self._outputs
 
     def is_completed(self) -> bool:
         return self._done
@@ -156,19 +164,30 @@ class FerrompiWork(dist._Work):
 
 
 class _Progress:
-    """The thread that completes the works in the order they started."""
+    """The thread that completes the works in the order they started.
+
+    Stopped at interpreter exit (:func:`atexit`), before Python finalizes: a
+    daemon thread still alive then is unwound by the interpreter, and one
+    with torch's C++ frames on its stack aborts the process.
+    """
 
     def __init__(self) -> None:
         self.works: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="ferrompi-torch", daemon=True)
         self.thread.start()
+        atexit.register(self.stop)
 
     def put(self, work: FerrompiWork) -> None:
         self.works.put(work)
 
+    def stop(self, seconds: float = 5.0) -> None:
+        """End the thread once the works already started are complete (or ``seconds``)."""
+        self.works.put(None)
+        self.thread.join(seconds)
+
     def _run(self) -> None:
-        while True:
-            self.works.get()._complete()
+        while (work := self.works.get()) is not None:
+            work._complete()
 
 
 _PROGRESS: list[_Progress] = []
@@ -472,21 +491,22 @@ def _create(dist_backend_opts, backend_options) -> ProcessGroupFerrompi:
     return pg
 
 
-def _store_over_mpi(timeout: datetime.timedelta) -> dist.TCPStore:
-    """A ``TCPStore`` on rank 0, its address and port sent to the others over MPI."""
+def _store_over_mpi(timeout: datetime.timedelta):
+    """torch's ``TCPStore`` on rank 0, at an address and port rank 0 sends the others over MPI.
+
+    Made as torch's ``env://`` makes it (multi-tenant, libuv), once every
+    rank knows where: rank 0 asks the system for a free port first.
+    """
     require_mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    address = None
     if rank == 0:
-        host = socket.gethostname()
-        store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-        address = (host, store.port)
-    else:
-        address = None
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            address = (socket.gethostname(), probe.getsockname()[1])
     host, port = comm.bcast(address, root=0)
-    if rank == 0:
-        return store
-    return dist.TCPStore(host, port, size, False, timeout=timeout)
+    return _rendezvous._create_c10d_store(host, port, rank, size, timeout)
 
 
 # the module (torch.distributed's attribute of that name is its function)
