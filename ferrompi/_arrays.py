@@ -359,7 +359,7 @@ def layout(x, op: str) -> tuple[tuple[int, ...], np.dtype]:
     return x.shape, x.dtype
 
 
-def _numpy_view(t, op: str = "") -> np.ndarray:
+def numpy_view(t, op: str = "") -> np.ndarray:
     """The numpy array over the memory of the CPU tensor ``t`` (bfloat16 included).
 
     Raises
@@ -395,16 +395,16 @@ class _Torch(ArrayKind):
                 f"{op}: a torch tensor on {x.device} has no __cuda_array_interface__ "
                 "ferrompi can hand MPI; CPU and CUDA tensors are supported"
             )
-        view = _numpy_view(x.detach().resolve_conj().resolve_neg(), op)
+        view = numpy_view(x.detach().resolve_conj().resolve_neg(), op)
         _numeric(view.dtype, op)
         return view if view.flags.c_contiguous else np.ascontiguousarray(view)
 
     def new_output(self, like, shape, dtype, op, comm=None):
         result = _torch().empty(shape, dtype=_torch_dtype(dtype), device="cpu")
-        return result, _numpy_view(result), self
+        return result, numpy_view(result), self
 
     def take_out(self, out, shape, dtype, op, comm=None):
-        view = _numpy_view(self.check_out(out, shape, dtype, op).detach())
+        view = numpy_view(self.check_out(out, shape, dtype, op).detach())
         return out, view if view.flags.c_contiguous else host_empty(shape, dtype), self
 
     def check_out(self, out, shape, dtype, op):
@@ -425,7 +425,7 @@ class _Torch(ArrayKind):
         return torch.from_numpy(buf)
 
     def copy_into(self, dst, src) -> None:
-        view = _numpy_view(dst.detach())
+        view = numpy_view(dst.detach())
         if not isinstance(src, _ndarray):  # a device array
             gpu.to_host(src, view)
         elif not np.may_share_memory(view, src):  # else MPI wrote dst itself

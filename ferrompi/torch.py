@@ -47,6 +47,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ._arrays import numpy_view
 from ._mpi import MPI, require_mpi
 from .backend import MPIBackend, init
 from .collectives import (
@@ -61,6 +62,7 @@ from .collectives import (
 from .errors import InvalidArgument
 from .groups import SubBackend, destroy_process_group
 from .monitored import monitored_barrier
+from .ops import ReduceOp
 from .p2p import irecv, isend
 from .rooted import gather, reduce, scatter
 from .uneven import all_to_all_single_uneven
@@ -81,8 +83,9 @@ class FerrompiWork(dist._Work):
 
     ``wait()`` completes it (raising ferrompi's error, a timeout naming the
     missing rank among them); ``get_future()`` is a ``torch.futures.Future``
-    completed with the output tensors when MPI completes, by the progress
-    thread if no one waits first.
+    completed with the output tensors when MPI completes: from the first
+    call of ``get_future`` on, the progress thread completes the work if no
+    one waits first. A work nobody asks the future of costs no thread.
     """
 
     def __init__(self, pendings: list, outputs: list, finish=None, source=None) -> None:
@@ -95,14 +98,9 @@ class FerrompiWork(dist._Work):
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
-        # torch's Future has no error setter for C++ readers (DDP's reducer): a callback
-        # that raises gives its chained future a real error, so the work completes an
-        # inner future and its future is that chain.
-        self._inner: torch.futures.Future = torch.futures.Future()
-        self._future = self._inner.then(self._outcome)
-        if pendings:
-            _progress().put(self)
-        else:
+        self._inner: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+        if not pendings:
             self._complete()
 
     def _complete(self) -> None:
@@ -122,13 +120,32 @@ class FerrompiWork(dist._Work):
             finally:
                 self._pendings = []
                 self._done = True  # before the future: its waiters may ask at once
-        self._inner.set_result(None)
+            inner = self._inner
+        if inner is not None:
+            inner.set_result(None)
 
     def _outcome(self, inner) -> list:
         """The chained future's value: the outputs, or the operation's error raised."""
         if self._error is not None:
             raise self._error
         return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        settle = False
+        with self._lock:
+            if self._future is None:
+                # torch's Future has no error setter for C++ readers (DDP's reducer): a
+                # callback that raises gives its chained future a real error, so the work
+                # completes an inner future and hands out the chain.
+                self._inner = torch.futures.Future()
+                self._future = self._inner.then(self._outcome)
+                if self._done:
+                    settle = True  # _complete has run: this call completes the chain
+                else:
+                    _progress().put(self)
+        if settle:
+            self._inner.set_result(None)
+        return self._future
 
     def is_completed(self) -> bool:
         return self._done
@@ -144,9 +161,6 @@ class FerrompiWork(dist._Work):
         if self._error is not None:
             raise self._error
         return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
 
     def result(self) -> list:
         self.wait()
@@ -207,14 +221,30 @@ def _progress() -> _Progress:
 # ---------------------------------------------------------------------------
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as 1-D, a view when it is contiguous."""
+def _flat(t: torch.Tensor):
+    """``t`` as 1-D (a view when it is contiguous), for MPI: :func:`_view`."""
+    return _view(t.reshape(-1))
+
+
+def _flat_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D tensor (to concatenate)."""
     return t.reshape(-1)
 
 
-def _rows_of(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as rows (at least 1-D), a view."""
-    return t if t.dim() else t.reshape(1)
+def _view(t: torch.Tensor):
+    """``t``'s numpy view when it is a plain contiguous CPU tensor, else ``t``.
+
+    ferrompi takes tensors as they are; a numpy view made once here spares its
+    per-call tensor handling, on both the input and ``out=`` (the same memory).
+    """
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return numpy_view(t.detach())
+    return t
+
+
+def _rows_of(t: torch.Tensor):
+    """``t`` as rows (at least 1-D), a view (:func:`_view`)."""
+    return _view(t if t.dim() else t.reshape(1))
 
 
 class ProcessGroupFerrompi(dist.ProcessGroup):
@@ -255,7 +285,10 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
     def _b(self):
         return self.backend
 
-    def _work(self, pendings, outputs, finish=None, source=None) -> FerrompiWork:
+    def _work(self, asynchronous, pendings, outputs, finish=None, source=None):
+        """The work of an operation: ``pendings`` started, or, not ``asynchronous``, done."""
+        if not asynchronous:
+            pendings = []
         if self._coalescing is not None:  # torch's coalescing manager: one work at its end
             self._coalescing.append((pendings, outputs, finish))
         return FerrompiWork(pendings, outputs, finish, source)
@@ -275,130 +308,145 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
+        a = _asynchronous(opts)
         op = _op(opts)
-        pendings = [allreduce(t, self._b, op, out=t, async_op=True) for t in tensors]
-        return self._work(pendings, tensors)
+        views = [_view(t) for t in tensors]
+        pendings = [allreduce(v, self._b, op, out=v, async_op=a) for v in views]
+        return self._work(a, pendings, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         allreduce_coalesced(tensors, self._b, _op(opts), out=tensors)
-        return self._work([], tensors)
+        return self._work(False, [], tensors)
 
     def reduce(self, tensors, opts=None):
+        a = _asynchronous(opts)
         root, op = opts.rootRank, _op(opts)
-        pendings = [reduce(t, self._b, root, op, out=t, async_op=True) for t in tensors]
-        return self._work(pendings, tensors)
+        views = [_view(t) for t in tensors]
+        pendings = [reduce(v, self._b, root, op, out=v, async_op=a) for v in views]
+        return self._work(a, pendings, tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        pending = reduce_scatter(_flat(input), self._b, _op(opts), out=_flat(output), async_op=True)
-        return self._work([pending], [output])
+        a = _asynchronous(opts)
+        pending = reduce_scatter(_flat(input), self._b, _op(opts), out=_flat(output), async_op=a)
+        return self._work(a, [pending], [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        a = _asynchronous(opts)
         op = _op(opts)
         pendings = [
-            reduce_scatter(_flat(i), self._b, op, out=_flat(o), async_op=True)
+            reduce_scatter(_flat(i), self._b, op, out=_flat(o), async_op=a)
             for o, i in zip(outputs, inputs, strict=True)
         ]
-        return self._work(pendings, outputs)
+        return self._work(a, pendings, outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        a = _asynchronous(opts)
         op = _op(opts)
         pendings = []
         for out, parts in zip(output_tensors, input_tensors, strict=True):
-            fused = torch.cat([_flat(p) for p in parts])
-            pendings.append(reduce_scatter(fused, self._b, op, out=_flat(out), async_op=True))
-        return self._work(pendings, output_tensors)
+            fused = torch.cat([_flat_tensor(p) for p in parts])
+            pendings.append(reduce_scatter(fused, self._b, op, out=_flat(out), async_op=a))
+        return self._work(a, pendings, output_tensors)
 
     # -- broadcast, gathers and scatters ---------------------------------------
 
     def broadcast(self, tensors, opts=None):
+        a = _asynchronous(opts)
         root = opts.rootRank if opts is not None else 0
-        pendings = [broadcast(t, self._b, root, out=t, async_op=True) for t in tensors]
-        return self._work(pendings, tensors)
+        views = [_view(t) for t in tensors]
+        pendings = [broadcast(v, self._b, root, out=v, async_op=a) for v in views]
+        return self._work(a, pendings, tensors)
 
     def _allgather_base(self, output, input, opts=None):
-        pending = all_gather(_flat(input), self._b, out=_flat(output), async_op=True)
-        return self._work([pending], [output])
+        a = _asynchronous(opts)
+        pending = all_gather(_flat(input), self._b, out=_flat(output), async_op=a)
+        return self._work(a, [pending], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        a = _asynchronous(opts)
         pendings = [
-            all_gather(_flat(i), self._b, out=_flat(o), async_op=True)
+            all_gather(_flat(i), self._b, out=_flat(o), async_op=a)
             for o, i in zip(outputs, inputs, strict=True)
         ]
-        return self._work(pendings, outputs)
+        return self._work(a, pendings, outputs)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        a = _asynchronous(opts)
         pendings, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
-            pendings.append(all_gather(_flat(inp), self._b, out=fused, async_op=True))
+            pendings.append(all_gather(_flat(inp), self._b, out=fused, async_op=a))
             copies.append((outs, fused))
-        return self._work(pendings, output_tensors, _copy_parts(copies))
+        return self._work(a, pendings, output_tensors, _copy_parts(copies))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        a = _asynchronous(opts)
         root, inp = opts.rootRank, input_tensors[0]
         if self._b.rank == root:
             outs = output_tensors[0]
             fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
-            pending = gather(_flat(inp), self._b, root, out=fused, async_op=True)
-            return self._work([pending], output_tensors, _copy_parts([(outs, fused)]))
-        pending = gather(_flat(inp), self._b, root, async_op=True)
-        return self._work([pending], output_tensors)
+            pending = gather(_flat(inp), self._b, root, out=fused, async_op=a)
+            return self._work(a, [pending], output_tensors, _copy_parts([(outs, fused)]))
+        pending = gather(_flat(inp), self._b, root, async_op=a)
+        return self._work(a, [pending], output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        a = _asynchronous(opts)
         root, out = opts.rootRank, output_tensors[0]
         rows = None
         if self._b.rank == root:
-            rows = torch.cat([_flat(t) for t in input_tensors[0]])
-        pending = scatter(rows, self._b, root, out=_flat(out), async_op=True)
-        return self._work([pending], output_tensors)
+            rows = torch.cat([_flat_tensor(t) for t in input_tensors[0]])
+        pending = scatter(rows, self._b, root, out=_flat(out), async_op=a)
+        return self._work(a, [pending], output_tensors)
 
     # -- all-to-all --------------------------------------------------------------
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        a = _asynchronous(opts)
         b = self._b
         if not output_split_sizes and not input_split_sizes:
-            pending = all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=True)
+            pending = all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=a)
         else:
             send = list(input_split_sizes) or _equal(input, b.world_size)
             recv = list(output_split_sizes) or _equal(output, b.world_size)
             pending = all_to_all_single_uneven(
-                _rows_of(input), send, recv, b, out=_rows_of(output), async_op=True
+                _rows_of(input), send, recv, b, out=_rows_of(output), async_op=a
             )
-        return self._work([pending], [output])
+        return self._work(a, [pending], [output])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        a = _asynchronous(opts)
         send = [t.numel() for t in input_tensors]
         recv = [t.numel() for t in output_tensors]
-        fused_in = torch.cat([_flat(t) for t in input_tensors])
+        fused_in = torch.cat([_flat_tensor(t) for t in input_tensors])
         fused_out = torch.empty(sum(recv), dtype=fused_in.dtype, device=fused_in.device)
-        pending = all_to_all_single_uneven(
-            fused_in, send, recv, self._b, out=fused_out, async_op=True
-        )
-        return self._work([pending], output_tensors, _copy_parts([(output_tensors, fused_out)]))
+        pending = all_to_all_single_uneven(fused_in, send, recv, self._b, out=fused_out, async_op=a)
+        return self._work(a, [pending], output_tensors, _copy_parts([(output_tensors, fused_out)]))
 
     # -- messages and barriers -------------------------------------------------
 
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
         pendings = [isend(t, dstRank, self._b, tag) for t in tensors]
-        return self._work(pendings, tensors)
+        return self._work(True, pendings, tensors)
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
         pendings = [_recv_into(t, srcRank, self._b, tag) for t in tensors]
-        return self._work(pendings, tensors)
+        return self._work(True, pendings, tensors)
 
     def recv_anysource(self, tensors, tag):
         pending = _recv_into(tensors[0], None, self._b, tag)
-        return self._work([pending], tensors, source=pending)
+        return self._work(True, [pending], tensors, source=pending)
 
     def barrier(self, opts=None):
-        return self._work([barrier(self._b, async_op=True)], [])
+        a = _asynchronous(opts)
+        return self._work(a, [barrier(self._b, async_op=a)], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         monitored_barrier(self._b, timeout=timeout, wait_all_ranks=wait_all_ranks)
-        return self._work([], [])
+        return self._work(False, [], [])
 
 
 # torch 2.13's names of the same operations
@@ -413,9 +461,26 @@ ProcessGroupFerrompi.reduce_scatter_single_coalesced = (
 )
 
 
+def _asynchronous(opts) -> bool:
+    """Whether torch asked for the work at once (``async_op=True``; C++ callers, DDP's
+    reducer among them, always do), else the operation completes in the call: the
+    blocking form, which may run on the node engine."""
+    return opts is None or getattr(opts, "asyncOp", True)
+
+
+#: ferrompi's member of each of torch's reductions (PREMUL_SUM, with its factor, is
+#: read by ferrompi itself: :meth:`ferrompi.ReduceOp.of`).
+_REDUCE_OPS = {
+    getattr(dist.ReduceOp.RedOpType, name): getattr(ReduceOp, "MEAN" if name == "AVG" else name)
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+}
+
+
 def _op(opts):
     """torch's reduction of ``opts`` (``SUM`` without), as ferrompi takes it."""
-    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+    if opts is None:
+        return ReduceOp.SUM
+    return _REDUCE_OPS.get(opts.reduceOp.op, opts.reduceOp)
 
 
 def _equal(t: torch.Tensor, size: int) -> list[int]:

@@ -289,3 +289,15 @@ def test_a_torch_program_exits_with_status_0_on_every_rank(tmp_path):
     run = _job(tmp_path, DDP_EXITS, 3)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("done False") == 3
+
+
+def test_the_torch_backend_benchmark_runs_and_reports_every_row(tmp_path):
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "torch_backend.py"
+    args = ["--sizes", "4", "--reps", "1", "--block-ms", "1", "--steps", "1"]
+    cmd = [str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script), *args]
+    environ = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split()[0] for line in run.stdout.splitlines()[1:] if line.strip()]
+    assert rows[:5] == ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]
+    assert sum(line.startswith("DDP ") for line in run.stdout.splitlines()) == 2

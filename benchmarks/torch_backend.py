@@ -1,0 +1,220 @@
+"""torch.distributed on "ferrompi" against "gloo" and ferrompi's own call, side by side.
+
+Run under MPI (2 ranks is the reference configuration)::
+
+    mpiexec -n 2 .venv/bin/python benchmarks/torch_backend.py
+    mpiexec -n 4 .venv/bin/python benchmarks/torch_backend.py --sizes 4,1KiB,1MiB --reps 9
+    mpiexec -n 2 .venv/bin/python benchmarks/torch_backend.py --ddp-only
+
+Three implementations of each operation, interleaved in every repetition so
+that all see the same machine state: torch's call on the ``"ferrompi"``
+default group, torch's call on a gloo group of the same ranks, and ferrompi's
+own call (``fm.allreduce(..., out=)`` on the same tensor's numpy view). A
+sample is the slowest rank's time per call over a block of ``k`` calls
+(``k`` calibrated so a block lasts about ``--block-ms``); the table gives
+medians, the ratios are of medians of this run, and ``ferrompi-fm`` is the
+median of paired differences: what torch's path adds per call. Then the
+step time of DDP on a small MLP and a small CNN, on each backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ferrompi as fm
+import ferrompi.torch  # registers "ferrompi"
+
+warnings.simplefilter("ignore", FutureWarning)
+
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(text[: -len(unit)]) * factor
+    return int(text)
+
+
+def calls(op: str, n: int, nbytes: int, world):
+    """``{implementation: call()}`` of ``op`` on float32 tensors of ``nbytes`` per rank."""
+    count = max(n, nbytes // 4 // n * n)  # a multiple of n, at least one element per rank
+    x = torch.zeros(count)
+    out = torch.empty(
+        count * n if op == "all_gather" else count // n if op == "reduce_scatter" else count
+    )
+    xa, oa = x.numpy(), out.numpy()
+    gloo = GROUPS["gloo"]
+    if op == "all_reduce":
+        return {
+            "ferrompi": lambda: dist.all_reduce(x),
+            "gloo": lambda: dist.all_reduce(x, group=gloo),
+            "fm": lambda: fm.allreduce(xa, world, out=xa),
+        }
+    if op == "broadcast":
+        return {
+            "ferrompi": lambda: dist.broadcast(x, 0),
+            "gloo": lambda: dist.broadcast(x, 0, group=gloo),
+            "fm": lambda: fm.broadcast(xa, world, 0, out=xa),
+        }
+    if op == "all_gather":
+        return {
+            "ferrompi": lambda: dist.all_gather_into_tensor(out, x),
+            "gloo": lambda: dist.all_gather_into_tensor(out, x, group=gloo),
+            "fm": lambda: fm.all_gather(xa, world, out=oa),
+        }
+    if op == "reduce_scatter":
+        return {
+            "ferrompi": lambda: dist.reduce_scatter_tensor(out, x),
+            "gloo": lambda: dist.reduce_scatter_tensor(out, x, group=gloo),
+            "fm": lambda: fm.reduce_scatter(xa, world, out=oa),
+        }
+    return {
+        "ferrompi": lambda: dist.all_to_all_single(out, x),
+        "gloo": lambda: dist.all_to_all_single(out, x, group=gloo),
+        "fm": lambda: fm.all_to_all(xa, world, out=oa),
+    }
+
+
+GROUPS: dict = {}
+
+
+def block(call, k: int, world) -> float:
+    """The slowest rank's seconds per call over ``k`` calls."""
+    fm.barrier(world)
+    start = time.perf_counter()
+    for _ in range(k):
+        call()
+    mine = np.array([(time.perf_counter() - start) / k])
+    return float(fm.allreduce(mine, world, fm.ReduceOp.MAX)[0])
+
+
+def calibrate(call, world, block_ms: float) -> int:
+    k = 1
+    while True:
+        seconds = block(call, k, world) * k
+        if seconds * 1e3 >= block_ms / 4 or k >= 1 << 16:
+            return max(1, int(k * block_ms / 1e3 / max(seconds, 1e-9)))
+        k *= 4
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def collectives(args, world) -> None:
+    n = world.world_size
+    header = f"{'op':<16}{'size':>8}{'ferrompi':>12}{'gloo':>12}{'fm':>12}"
+    header += f"{'gloo/ferrompi':>15}{'ferrompi-fm':>13}"
+    if world.rank == 0:
+        print(header)
+    for op in args.ops.split(","):
+        for text in args.sizes.split(","):
+            impls = calls(op, n, parse_size(text), world)
+            ks = {name: calibrate(call, world, args.block_ms) for name, call in impls.items()}
+            samples: dict[str, list[float]] = {name: [] for name in impls}
+            for _ in range(args.reps):
+                for name, call in impls.items():
+                    samples[name].append(block(call, ks[name], world))
+            med = {name: statistics.median(v) for name, v in samples.items()}
+            paired = statistics.median(
+                a - b for a, b in zip(samples["ferrompi"], samples["fm"], strict=True)
+            )
+            if world.rank == 0:
+                print(
+                    f"{op:<16}{text:>8}{fmt(med['ferrompi']):>12}{fmt(med['gloo']):>12}"
+                    f"{fmt(med['fm']):>12}{med['gloo'] / med['ferrompi']:>15.2f}"
+                    f"{paired * 1e6:>+11.1f}us",
+                    flush=True,
+                )
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.head = nn.Linear(32 * 7 * 7, 10)
+
+    def forward(self, x):
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def ddp_steps(args, world) -> None:
+    """Median step time of DDP (forward, backward, SGD step) on each backend."""
+    models = {
+        "MLP": (
+            lambda: nn.Sequential(
+                nn.Linear(256, 1024),
+                nn.ReLU(),
+                nn.Linear(1024, 1024),
+                nn.ReLU(),
+                nn.Linear(1024, 10),
+            ),
+            lambda: torch.randn(32, 256),
+        ),
+        "CNN": (SmallCNN, lambda: torch.randn(32, 1, 28, 28)),
+    }
+    for name, (make, batch) in models.items():
+        times: dict[str, list[float]] = {"ferrompi": [], "gloo": []}
+        nets = {}
+        for backend in times:
+            torch.manual_seed(0)
+            group = None if backend == "ferrompi" else GROUPS["gloo"]
+            model = nn.parallel.DistributedDataParallel(make(), process_group=group)
+            nets[backend] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+        x, y = batch(), torch.randint(0, 10, (32,))
+        for rep in range(args.steps + 3):
+            for backend, (model, opt) in nets.items():
+                fm.barrier(world)
+                start = time.perf_counter()
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                mine = np.array([time.perf_counter() - start])
+                slowest = float(fm.allreduce(mine, world, fm.ReduceOp.MAX)[0])
+                if rep >= 3:  # after warm-up
+                    times[backend].append(slowest)
+        med = {b: statistics.median(v) for b, v in times.items()}
+        params = sum(p.numel() for p in nets["gloo"][0].parameters())
+        if world.rank == 0:
+            print(
+                f"DDP {name} ({params * 4 / 2**20:.1f} MiB of gradients), "
+                f"{world.world_size} ranks: "
+                f"ferrompi {fmt(med['ferrompi'])}, gloo {fmt(med['gloo'])}, "
+                f"gloo/ferrompi {med['gloo'] / med['ferrompi']:.2f}",
+                flush=True,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--sizes", default="4,1KiB,64KiB,1MiB,16MiB,64MiB")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--block-ms", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--ddp-only", action="store_true")
+    args = parser.parse_args()
+    dist.init_process_group("ferrompi")
+    GROUPS["gloo"] = dist.new_group(backend="gloo")
+    world = fm.MPIBackend(fm.init().comm.Dup())  # the timers' own group
+    if not args.ddp_only:
+        collectives(args, world)
+    ddp_steps(args, world)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
