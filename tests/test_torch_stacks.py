@@ -272,7 +272,7 @@ def test_a_rank_that_dies_mid_training_is_named_by_the_survivors(tmp_path):
 
 
 DDP_EXITS = """
-    import warnings
+    import json, warnings
     warnings.simplefilter("ignore")
     import torch, torch.distributed as dist, torch.nn as nn
     import ferrompi.torch
@@ -280,15 +280,17 @@ DDP_EXITS = """
     dist.init_process_group("ferrompi")
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
     model(torch.ones(2, 4)).sum().backward()
+    rank = dist.get_rank()
     dist.destroy_process_group()
-    print("done", dist.is_initialized(), flush=True)
+    print(json.dumps({"rank": rank, "initialized": dist.is_initialized()}), flush=True)
 """
 
 
 def test_a_torch_program_exits_with_status_0_on_every_rank(tmp_path):
     run = _job(tmp_path, DDP_EXITS, 3)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("done False") == 3
+    reports = _reports(run.stdout)  # the ranks' lines may interleave
+    assert reports == {r: {"rank": r, "initialized": False} for r in range(3)}, run.stdout
 
 
 def test_the_torch_backend_benchmark_runs_and_reports_every_row(tmp_path):
