@@ -313,6 +313,18 @@ class _Device(ArrayKind):
                 dst[...] = src
 
 
+def _tensor_out(out, device: str, shape, dtype, op: str):
+    """``out`` if it is a torch tensor on ``device`` (its type) of ``shape`` and ``dtype``."""
+    if not isinstance(out, _torch().Tensor) or out.device.type != device:
+        raise _not_an_array(out, op)
+    if tuple(out.shape) != shape or out.dtype != _torch_dtype(dtype):
+        raise InvalidArgument(
+            f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+            f"expected shape {shape} and dtype {_torch_dtype(dtype)}"
+        )
+    return out
+
+
 def _torch():
     """The torch module, which a tensor's presence means is imported (torch is optional)."""
     return sys.modules["torch"]
@@ -408,14 +420,7 @@ class _Torch(ArrayKind):
         return out, view if view.flags.c_contiguous else host_empty(shape, dtype), self
 
     def check_out(self, out, shape, dtype, op):
-        if not isinstance(out, _torch().Tensor) or out.device.type != "cpu":
-            raise _not_an_array(out, op)
-        if tuple(out.shape) != shape or out.dtype != _torch_dtype(dtype):
-            raise InvalidArgument(
-                f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                f"expected shape {shape} and dtype {_torch_dtype(dtype)}"
-            )
-        return out
+        return _tensor_out(out, "cpu", shape, dtype, op)
 
     def wrap(self, buf: np.ndarray):
         """A tensor over the host array ``buf`` (no copy): a result made of a fused buffer."""
@@ -456,14 +461,7 @@ class _TorchDevice(_Device):
         return out, self._buffer(view, shape, dtype, comm)[1], self
 
     def check_out(self, out, shape, dtype, op):
-        if not isinstance(out, _torch().Tensor) or not out.is_cuda:
-            raise _not_an_array(out, op)
-        if tuple(out.shape) != shape or out.dtype != _torch_dtype(dtype):
-            raise InvalidArgument(
-                f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
-                f"expected shape {shape} and dtype {_torch_dtype(dtype)}"
-            )
-        return out
+        return _tensor_out(out, "cuda", shape, dtype, op)
 
     def wrap(self, buf):
         """A tensor over the cupy array ``buf`` (no copy): a result made of a fused buffer."""

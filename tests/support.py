@@ -112,3 +112,18 @@ _VERDICT = None
 def set_verdict_comm(comm) -> None:
     global _VERDICT
     _VERDICT = comm
+
+
+def json_lines(text: str) -> dict[int, dict]:
+    """The JSON reports in ``text`` by their ``rank`` (ranks' lines may interleave)."""
+    decoder = json.JSONDecoder()
+    out, i = {}, text.find("{")
+    while i >= 0:
+        try:
+            record, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            end = i + 1
+        else:
+            out[record["rank"]] = record
+        i = text.find("{", end)
+    return out

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from mpi4py import MPI
+from support import json_lines
 
 BIN = pathlib.Path(sys.executable).parent
 MPIEXEC = str(BIN / "mpiexec")
@@ -39,21 +40,6 @@ def launch(tmp_path, source: str, n: int, *, launcher: bool = False, mpiexec_arg
         cmd, capture_output=True, text=True, timeout=OUTER_TIMEOUT, env=environ, cwd=tmp_path
     )
     return proc, time.monotonic() - start
-
-
-def json_lines(text: str) -> dict[int, dict]:
-    """The JSON reports in ``text`` by rank (ranks' lines may interleave)."""
-    decoder = json.JSONDecoder()
-    out, i = {}, text.find("{")
-    while i >= 0:
-        try:
-            record, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            end = i + 1
-        else:
-            out[record["rank"]] = record
-        i = text.find("{", end)
-    return out
 
 
 DEAD_RANK = """

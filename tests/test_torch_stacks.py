@@ -11,7 +11,6 @@ named by the survivors within the group's timeout. Skipped without torch.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import subprocess
@@ -19,6 +18,7 @@ import sys
 import textwrap
 
 import pytest
+from support import json_lines
 
 import ferrompi as fm
 
@@ -174,20 +174,6 @@ def test_functional_collectives(mesh):
 # ---------------------------------------------------------------------------
 
 
-def _reports(text: str) -> dict[int, dict]:
-    """The JSON reports in ``text`` by rank (ranks' lines may interleave)."""
-    decoder, out, i = json.JSONDecoder(), {}, text.find("{")
-    while i >= 0:
-        try:
-            record, end = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            end = i + 1
-        else:
-            out[record["rank"]] = record
-        i = text.find("{", end)
-    return out
-
-
 def _job(tmp_path, source: str, n: int, timeout: float = 120, mpiexec_args=(), **env):
     script = tmp_path / f"job{n}.py"
     script.write_text(textwrap.dedent(source))
@@ -232,7 +218,7 @@ def test_dcp_saved_by_4_ranks_loads_resharded_on_2(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     run = _job(tmp_path, DCP_SAVE_LOAD.replace("sys.argv[1]", '"load"'), 2)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert _reports(run.stdout) == {
+    assert json_lines(run.stdout) == {
         0: {"rank": 0, "shape": [12, 4]},
         1: {"rank": 1, "shape": [12, 4]},
     }
@@ -263,7 +249,7 @@ DYING_RANK = """
 def test_a_rank_that_dies_mid_training_is_named_by_the_survivors(tmp_path):
     # mpiexec's cleanup off: the survivors go on after rank 2's exit, as on a cluster
     run = _job(tmp_path, DYING_RANK, 3, timeout=90, mpiexec_args=["-disable-auto-cleanup"])
-    reports = _reports(run.stdout)
+    reports = json_lines(run.stdout)
     assert sorted(reports) == [0, 1], run.stdout + run.stderr[-2000:]
     for report in reports.values():
         assert report["step"] == 2, report
@@ -289,7 +275,7 @@ DDP_EXITS = """
 def test_a_torch_program_exits_with_status_0_on_every_rank(tmp_path):
     run = _job(tmp_path, DDP_EXITS, 3)
     assert run.returncode == 0, run.stderr[-3000:]
-    reports = _reports(run.stdout)  # the ranks' lines may interleave
+    reports = json_lines(run.stdout)  # the ranks' lines may interleave
     assert reports == {r: {"rank": r, "initialized": False} for r in range(3)}, run.stdout
 
 
