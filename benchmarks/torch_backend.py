@@ -14,7 +14,9 @@ sample is the slowest rank's time per call over a block of ``k`` calls
 (``k`` calibrated so a block lasts about ``--block-ms``); the table gives
 medians, the ratios are of medians of this run, and ``ferrompi-fm`` is the
 median of paired differences: what torch's path adds per call. Then the
-step time of DDP on a small MLP and a small CNN, on each backend.
+step time of DDP on a small MLP and a small CNN, on each backend, and on
+"ferrompi" without overlap (a comm hook that waits for each bucket inside
+backward): what the asynchronous works buy.
 """
 
 from __future__ import annotations
@@ -151,8 +153,20 @@ class SmallCNN(nn.Module):
         return self.head(x.flatten(1))
 
 
+def _waiting_hook(state, bucket):
+    """A DDP comm hook that all-reduces each bucket to the end before backward goes on:
+    the same arithmetic as DDP's own, without its overlap."""
+    tensor = bucket.buffer()
+    dist.all_reduce(tensor)
+    tensor.div_(dist.get_world_size())
+    done = torch.futures.Future()
+    done.set_result(tensor)
+    return done
+
+
 def ddp_steps(args, world) -> None:
-    """Median step time of DDP (forward, backward, SGD step) on each backend."""
+    """Median step time of DDP (forward, backward, SGD step): on "ferrompi", on gloo,
+    and on "ferrompi" with each bucket waited for inside backward (no overlap)."""
     models = {
         "MLP": (
             lambda: nn.Sequential(
@@ -166,17 +180,22 @@ def ddp_steps(args, world) -> None:
         ),
         "CNN": (SmallCNN, lambda: torch.randn(32, 1, 28, 28)),
     }
+    variants = ("ferrompi", "gloo", "ferrompi, no overlap")
     for name, (make, batch) in models.items():
-        times: dict[str, list[float]] = {"ferrompi": [], "gloo": []}
+        times: dict[str, list[float]] = {v: [] for v in variants}
         nets = {}
-        for backend in times:
+        for variant in variants:
             torch.manual_seed(0)
-            group = None if backend == "ferrompi" else GROUPS["gloo"]
-            model = nn.parallel.DistributedDataParallel(make(), process_group=group)
-            nets[backend] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+            group = GROUPS["gloo"] if variant == "gloo" else None
+            model = nn.parallel.DistributedDataParallel(
+                make(), process_group=group, bucket_cap_mb=args.bucket_mb
+            )
+            if variant.endswith("no overlap"):
+                model.register_comm_hook(None, _waiting_hook)
+            nets[variant] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
         x, y = batch(), torch.randint(0, 10, (32,))
         for rep in range(args.steps + 3):
-            for backend, (model, opt) in nets.items():
+            for variant, (model, opt) in nets.items():
                 fm.barrier(world)
                 start = time.perf_counter()
                 opt.zero_grad()
@@ -185,15 +204,17 @@ def ddp_steps(args, world) -> None:
                 mine = np.array([time.perf_counter() - start])
                 slowest = float(fm.allreduce(mine, world, fm.ReduceOp.MAX)[0])
                 if rep >= 3:  # after warm-up
-                    times[backend].append(slowest)
-        med = {b: statistics.median(v) for b, v in times.items()}
+                    times[variant].append(slowest)
+        med = {v: statistics.median(t) for v, t in times.items()}
         params = sum(p.numel() for p in nets["gloo"][0].parameters())
         if world.rank == 0:
             print(
-                f"DDP {name} ({params * 4 / 2**20:.1f} MiB of gradients), "
-                f"{world.world_size} ranks: "
+                f"DDP {name} ({params * 4 / 2**20:.1f} MiB of gradients, buckets of "
+                f"{args.bucket_mb:g} MiB), {world.world_size} ranks: "
                 f"ferrompi {fmt(med['ferrompi'])}, gloo {fmt(med['gloo'])}, "
-                f"gloo/ferrompi {med['gloo'] / med['ferrompi']:.2f}",
+                f"gloo/ferrompi {med['gloo'] / med['ferrompi']:.2f}; without overlap "
+                f"{fmt(med['ferrompi, no overlap'])} "
+                f"({med['ferrompi, no overlap'] / med['ferrompi']:.2f}x)",
                 flush=True,
             )
 
@@ -205,6 +226,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--block-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bucket-mb", type=float, default=1.0)
     parser.add_argument("--ddp-only", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("ferrompi")
