@@ -281,10 +281,6 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         """``destroy_process_group``: free the group's communicator (and node engine)."""
         destroy_process_group(self.backend)
 
-    @property
-    def _b(self):
-        return self.backend
-
     def _work(self, asynchronous, pendings, outputs, finish=None, source=None):
         """The work of an operation: ``pendings`` started, or, not ``asynchronous``, done."""
         if not asynchronous:
@@ -311,30 +307,32 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         a = _asynchronous(opts)
         op = _op(opts)
         views = [_view(t) for t in tensors]
-        pendings = [allreduce(v, self._b, op, out=v, async_op=a) for v in views]
+        pendings = [allreduce(v, self.backend, op, out=v, async_op=a) for v in views]
         return self._work(a, pendings, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        allreduce_coalesced(tensors, self._b, _op(opts), out=tensors)
+        allreduce_coalesced(tensors, self.backend, _op(opts), out=tensors)
         return self._work(False, [], tensors)
 
     def reduce(self, tensors, opts=None):
         a = _asynchronous(opts)
         root, op = opts.rootRank, _op(opts)
         views = [_view(t) for t in tensors]
-        pendings = [reduce(v, self._b, root, op, out=v, async_op=a) for v in views]
+        pendings = [reduce(v, self.backend, root, op, out=v, async_op=a) for v in views]
         return self._work(a, pendings, tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         a = _asynchronous(opts)
-        pending = reduce_scatter(_flat(input), self._b, _op(opts), out=_flat(output), async_op=a)
+        pending = reduce_scatter(
+            _flat(input), self.backend, _op(opts), out=_flat(output), async_op=a
+        )
         return self._work(a, [pending], [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         a = _asynchronous(opts)
         op = _op(opts)
         pendings = [
-            reduce_scatter(_flat(i), self._b, op, out=_flat(o), async_op=a)
+            reduce_scatter(_flat(i), self.backend, op, out=_flat(o), async_op=a)
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return self._work(a, pendings, outputs)
@@ -345,7 +343,7 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         pendings = []
         for out, parts in zip(output_tensors, input_tensors, strict=True):
             fused = torch.cat([_flat_tensor(p) for p in parts])
-            pendings.append(reduce_scatter(fused, self._b, op, out=_flat(out), async_op=a))
+            pendings.append(reduce_scatter(fused, self.backend, op, out=_flat(out), async_op=a))
         return self._work(a, pendings, output_tensors)
 
     # -- broadcast, gathers and scatters ---------------------------------------
@@ -354,18 +352,18 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         a = _asynchronous(opts)
         root = opts.rootRank if opts is not None else 0
         views = [_view(t) for t in tensors]
-        pendings = [broadcast(v, self._b, root, out=v, async_op=a) for v in views]
+        pendings = [broadcast(v, self.backend, root, out=v, async_op=a) for v in views]
         return self._work(a, pendings, tensors)
 
     def _allgather_base(self, output, input, opts=None):
         a = _asynchronous(opts)
-        pending = all_gather(_flat(input), self._b, out=_flat(output), async_op=a)
+        pending = all_gather(_flat(input), self.backend, out=_flat(output), async_op=a)
         return self._work(a, [pending], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         a = _asynchronous(opts)
         pendings = [
-            all_gather(_flat(i), self._b, out=_flat(o), async_op=a)
+            all_gather(_flat(i), self.backend, out=_flat(o), async_op=a)
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return self._work(a, pendings, outputs)
@@ -375,7 +373,7 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         pendings, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
             fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
-            pendings.append(all_gather(_flat(inp), self._b, out=fused, async_op=a))
+            pendings.append(all_gather(_flat(inp), self.backend, out=fused, async_op=a))
             copies.append((outs, fused))
         return self._work(a, pendings, output_tensors, _copy_parts(copies))
 
@@ -385,28 +383,28 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
     def gather(self, output_tensors, input_tensors, opts=None):
         a = _asynchronous(opts)
         root, inp = opts.rootRank, input_tensors[0]
-        if self._b.rank == root:
+        if self.backend.rank == root:
             outs = output_tensors[0]
             fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
-            pending = gather(_flat(inp), self._b, root, out=fused, async_op=a)
+            pending = gather(_flat(inp), self.backend, root, out=fused, async_op=a)
             return self._work(a, [pending], output_tensors, _copy_parts([(outs, fused)]))
-        pending = gather(_flat(inp), self._b, root, async_op=a)
+        pending = gather(_flat(inp), self.backend, root, async_op=a)
         return self._work(a, [pending], output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         a = _asynchronous(opts)
         root, out = opts.rootRank, output_tensors[0]
         rows = None
-        if self._b.rank == root:
+        if self.backend.rank == root:
             rows = torch.cat([_flat_tensor(t) for t in input_tensors[0]])
-        pending = scatter(rows, self._b, root, out=_flat(out), async_op=a)
+        pending = scatter(rows, self.backend, root, out=_flat(out), async_op=a)
         return self._work(a, [pending], output_tensors)
 
     # -- all-to-all --------------------------------------------------------------
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         a = _asynchronous(opts)
-        b = self._b
+        b = self.backend
         if not output_split_sizes and not input_split_sizes:
             pending = all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=a)
         else:
@@ -423,29 +421,31 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         recv = [t.numel() for t in output_tensors]
         fused_in = torch.cat([_flat_tensor(t) for t in input_tensors])
         fused_out = torch.empty(sum(recv), dtype=fused_in.dtype, device=fused_in.device)
-        pending = all_to_all_single_uneven(fused_in, send, recv, self._b, out=fused_out, async_op=a)
+        pending = all_to_all_single_uneven(
+            fused_in, send, recv, self.backend, out=fused_out, async_op=a
+        )
         return self._work(a, [pending], output_tensors, _copy_parts([(output_tensors, fused_out)]))
 
     # -- messages and barriers -------------------------------------------------
 
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
-        pendings = [isend(t, dstRank, self._b, tag) for t in tensors]
+        pendings = [isend(t, dstRank, self.backend, tag) for t in tensors]
         return self._work(True, pendings, tensors)
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
-        pendings = [_recv_into(t, srcRank, self._b, tag) for t in tensors]
+        pendings = [_recv_into(t, srcRank, self.backend, tag) for t in tensors]
         return self._work(True, pendings, tensors)
 
     def recv_anysource(self, tensors, tag):
-        pending = _recv_into(tensors[0], None, self._b, tag)
+        pending = _recv_into(tensors[0], None, self.backend, tag)
         return self._work(True, [pending], tensors, source=pending)
 
     def barrier(self, opts=None):
         a = _asynchronous(opts)
-        return self._work(a, [barrier(self._b, async_op=a)], [])
+        return self._work(a, [barrier(self.backend, async_op=a)], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        monitored_barrier(self._b, timeout=timeout, wait_all_ranks=wait_all_ranks)
+        monitored_barrier(self.backend, timeout=timeout, wait_all_ranks=wait_all_ranks)
         return self._work(False, [], [])
 
 
@@ -514,19 +514,13 @@ def _copy_parts(copies: list):
 _WORLD: list = []  # the bridge's own duplicate of the world, parent of its sub-groups
 
 
-def _seconds(timeout) -> float | None:
-    if timeout is None:
-        return None
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-
-
 def _create(dist_backend_opts, backend_options) -> ProcessGroupFerrompi:
     """torch's creator of a ``"ferrompi"`` group: the members' communicator, wrapped."""
     require_mpi()
     init()
     world_size = MPI.COMM_WORLD.Get_size()
     members = list(dist_backend_opts.global_ranks_in_group) or list(range(world_size))
-    timeout = _seconds(dist_backend_opts.timeout)
+    timeout = dist_backend_opts.timeout  # a timedelta, as ferrompi takes it
     if dist_backend_opts.group_size != len(members):
         raise InvalidArgument(
             f"ferrompi backend: group of {dist_backend_opts.group_size} ranks but "
