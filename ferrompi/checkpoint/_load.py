@@ -476,7 +476,9 @@ def load_distributed_into(
     add up to the saved global size), a DTensor receives its box under its
     own mesh and placements (a Partial dimension gets the value on its first
     rank and the reduction's identity elsewhere, as ``redistribute`` does),
-    and JSON-safe values are replaced by the saved ones. Names must exist in
+    JSON-safe values are replaced by the saved ones, and torch tensors
+    (plain ones whole, torch DTensors by their layout) are filled in place.
+    Names must exist in
     the checkpoint; names only in the checkpoint are ignored.
 
     The only communication is one exchange of the row counts (with every
@@ -529,7 +531,7 @@ def load_distributed_into(
         ckpt = open_checkpoint(path, verify=verify)
         ckpt.check_files()
         host_sd, on_device = (  # device targets: read via host arrays
-            host_tree(state_dict, copy=False)
+            host_tree(state_dict, backend, copy=False)
             if isinstance(state_dict, Mapping)
             else (state_dict, [])
         )

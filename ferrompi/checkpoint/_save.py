@@ -128,7 +128,7 @@ class SaveJob:
 
 def _describe(state_dict, backend: Backend, layout: str):
     if isinstance(state_dict, Mapping):  # device arrays: saved from host copies
-        state_dict = host_tree(state_dict, copy=True)[0]
+        state_dict = host_tree(state_dict, backend, copy=True)[0]
     flat = flatten(state_dict)
     if layout not in LAYOUTS:
         raise CheckpointInvalidArgument(f"layout must be one of {LAYOUTS}, not {layout!r}")
@@ -632,8 +632,9 @@ def save_distributed(
         written by its placements (each distinct box once, by the lowest rank
         holding it; Partial dimensions are reduced first); JSON-safe values
         (``int``, ``float``, ``str``, ``bool``, ``None``, lists) are stored as
-        JSON text attributes and must be equal on every rank.
-        Every rank passes the same names, dtypes and trailing shapes.
+        JSON text attributes and must be equal on every rank; a torch
+        tensor is replicated and a torch DTensor written by its placements
+        (``docs/checkpoint.md``, "torch state dicts"). Every rank passes the same names, dtypes and trailing shapes.
     path : str or os.PathLike
         The checkpoint directory (on a file system every rank sees).
     backend : Backend

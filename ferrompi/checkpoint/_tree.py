@@ -6,6 +6,7 @@ A state dict is a nested mapping of ``str`` keys. Every mapping is a group
 * arrays: ``numpy.ndarray`` and numpy scalars (``np.float32(1.0)``, saved as
   0-d arrays);
 * :class:`~ferrompi.DTensor`;
+* torch tensors, turned into DTensors by :mod:`._torch` (:func:`host_tree`);
 * objects: JSON-safe values (``None``, ``bool``, ``int``, finite ``float``,
   ``str``, and lists or tuples of them, or dicts with ``str`` keys inside a
   list), stored as JSON text, never pickled.
@@ -26,8 +27,10 @@ import numpy as np
 from .. import gpu
 from .._arrays import is_device
 from .._dtypes import SUPPORTED_DTYPES
+from ..backend import Backend
 from ..dtensor import DTensor
 from ..errors import CheckpointInvalidArgument
+from ._torch import from_torch, is_torch_tensor
 
 __all__ = [
     "Flat",
@@ -57,8 +60,16 @@ class Flat:
 def _check_key(key: object, parent: str) -> str:
     where = f" in group {parent!r}" if parent else ""
     if not isinstance(key, str):
+        hint = (
+            " (a torch optimizer's state_dict() keys its state by parameter index; "
+            "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) keys "
+            "it by parameter name)"
+            if isinstance(key, int)
+            else ""
+        )
         raise CheckpointInvalidArgument(
-            f"state dict key {key!r}{where} is a {type(key).__name__}; keys must be strings"
+            f"state dict key {key!r}{where} is a {type(key).__name__}; keys must be "
+            f"strings{hint}"
         )
     if key in ("", ".", "..") or "/" in key or "\0" in key:
         raise CheckpointInvalidArgument(
@@ -193,14 +204,15 @@ def unflatten(leaves: Mapping[str, Any], groups: list[str]) -> dict:
     return root
 
 
-def host_tree(tree: Mapping, copy: bool) -> tuple[Mapping, list]:
-    """``tree`` with its device arrays on the host, for code that only reads host memory.
+def host_tree(tree: Mapping, backend: Backend, copy: bool) -> tuple[Mapping, list]:
+    """``tree`` with leaves the checkpoint reads: host arrays and ferrompi DTensors.
 
     Walks nested mappings; each device array, and each DTensor whose local
     array is on a device, is replaced by a host counterpart: a copy of its
     data with ``copy=True`` (saving), an uninitialised array of its shape and
-    dtype otherwise (loading into it). A tree without device arrays comes
-    back as the same object.
+    dtype otherwise (loading into it). Each torch tensor is replaced by the
+    ferrompi DTensor that stands for it (:func:`._torch.from_torch`). A tree
+    without device arrays or torch tensors comes back as the same object.
 
     Returns
     -------
@@ -219,11 +231,14 @@ def host_tree(tree: Mapping, copy: bool) -> tuple[Mapping, list]:
         pairs.append((arr, h))
         return h
 
-    def walk(node: Mapping) -> Mapping:
+    def walk(node: Mapping, prefix: str) -> Mapping:
         changed = {}
         for key, value in node.items():
+            name = f"{prefix}/{key}" if prefix else str(key)
             if isinstance(value, Mapping):
-                new = walk(value)
+                new = walk(value, name)
+            elif is_torch_tensor(value):
+                new = from_torch(value, name, backend, copy, pairs)
             elif isinstance(value, DTensor) and is_device(value.to_local()):
                 local = host(value.to_local())
                 new = DTensor(local, value.mesh, value.placements, value.shape)
@@ -235,4 +250,4 @@ def host_tree(tree: Mapping, copy: bool) -> tuple[Mapping, list]:
                 changed[key] = new
         return {**node, **changed} if changed else node
 
-    return walk(tree), pairs
+    return walk(tree, ""), pairs
