@@ -1,12 +1,16 @@
 """torch's own stacks on the ``"ferrompi"`` backend: DTensor, tensor parallel, FSDP2,
-pipelining, functional collectives, DCP, and a rank that dies.
+2-D device meshes, pipelining, functional collectives, DCP, and a rank that dies.
 
 The in-process tests run under ``mpiexec -n N python -m pytest --with-mpi``
 (the default group is ferrompi's) and compare with the same computation in
-one process on the whole data. The job tests launch their own ``mpiexec``
-(plain pytest): DCP saved by 4 ranks and loaded, resharded, by 2; a DDP
-program that exits with status 0 on every rank; a rank that dies mid-training,
-named by the survivors within the group's timeout. Skipped without torch.
+one process on the whole data. The 2-D meshes ``("dp", "tp")`` are 2x2 on 4
+ranks, Nx1 and 1xN on 2 and 3: their per-dimension groups are ferrompi's,
+DTensor moves between every pair of 2-D placements, and FSDP2 over ``dp``
+with tensor parallelism over ``tp`` trains as one process does. The job
+tests launch their own ``mpiexec`` (plain pytest): DCP saved by 4 ranks and
+loaded, resharded, by 2; a DDP program that exits with status 0 on every
+rank; a rank that dies mid-training, named by the survivors within the
+group's timeout. Skipped without torch.
 """
 
 from __future__ import annotations
@@ -167,6 +171,141 @@ def test_functional_collectives(mesh):
     assert torch.equal(funcol.wait_tensor(total), torch.full((3,), float(n * (n - 1) // 2)))
     gathered = funcol.wait_tensor(funcol.all_gather_tensor(t, 0, mesh))
     assert torch.equal(gathered, torch.arange(n, dtype=torch.float32).repeat_interleave(3))
+
+
+# ---------------------------------------------------------------------------
+# 2-D device meshes: ("dp", "tp")
+# ---------------------------------------------------------------------------
+
+
+def _mesh_shapes(n: int) -> list[tuple[int, int]]:
+    """The 2-D shapes tried on ``n`` ranks: 2x2 on 4, else n x 1 and 1 x n."""
+    return [(2, 2)] if n == 4 else [(n, 1), (1, n)]
+
+
+@pytest.fixture(scope="module")
+def meshes_2d(mesh):
+    """torch's 2-D device meshes ``("dp", "tp")`` of every rank, on ferrompi's groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shapes = _mesh_shapes(dist.get_world_size())
+    return [init_device_mesh("cpu", s, mesh_dim_names=("dp", "tp")) for s in shapes]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_2d_mesh_groups_are_ferrompi_groups(meshes_2d):
+    from ferrompi.torch import ProcessGroupFerrompi
+
+    rank = dist.get_rank()
+    for mesh2 in meshes_2d:
+        a, b = mesh2.shape
+        dp, tp = divmod(rank, b)  # row-major: tp varies fastest
+        assert list(mesh2.get_coordinate()) == [dp, tp], mesh2
+        members = {"dp": [i * b + tp for i in range(a)], "tp": [dp * b + j for j in range(b)]}
+        for name, ranks in members.items():
+            group = mesh2.get_group(name)
+            assert dist.get_backend(group) == "ferrompi", (mesh2, name)
+            assert isinstance(group, ProcessGroupFerrompi), (mesh2, name, type(group))
+            assert group.name() == "ferrompi" and group.size() == len(ranks), (mesh2, name)
+            assert dist.get_process_group_ranks(group) == ranks, (mesh2, name)
+            t = torch.tensor([float(rank)])
+            dist.all_reduce(t, group=group)  # over this dimension's group only
+            assert t.item() == sum(ranks), (mesh2, name)
+
+
+def _local_piece(full, mesh2, placements):
+    """The piece of ``full`` this rank holds: each mesh dimension's Shard(d) chunks the
+    piece left by the dimensions before it, as ``torch.chunk`` does (empty past its end)."""
+    from torch.distributed.tensor import Shard
+
+    piece = full
+    for i, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            d, k = placement.dim, mesh2.get_coordinate()[i]
+            chunks = piece.chunk(mesh2.size(i), d)
+            piece = chunks[k] if k < len(chunks) else piece.narrow(d, 0, 0)
+    return piece
+
+
+@pytest.mark.mpi(min_size=2)
+def test_2d_dtensor_distributes_and_redistributes(meshes_2d):
+    import itertools
+
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    rank = dist.get_rank()
+    one_dim = (Shard(0), Shard(1), Replicate())
+    layouts = [list(p) for p in itertools.product(one_dim, repeat=2)]
+    full = torch.arange(35.0).reshape(5, 7)  # uneven on every mesh dimension of 2, 3 ranks
+    for mesh2 in meshes_2d:
+        for placements in layouts:
+            d = distribute_tensor(full, mesh2, placements)
+            where = (mesh2, placements)
+            assert torch.equal(d.to_local(), _local_piece(full, mesh2, placements)), where
+            assert torch.equal(d.full_tensor(), full), where
+            for target in layouts:
+                moved = d.redistribute(mesh2, target)
+                assert torch.equal(moved.to_local(), _local_piece(full, mesh2, target)), (
+                    where,
+                    target,
+                )
+                assert torch.equal(moved.full_tensor(), full), (where, target)
+        # partial sums: over dp (all-reduce), over tp into shards (reduce-scatter)
+        a, b = mesh2.shape
+        dp, tp = mesh2.get_coordinate()
+        mine = torch.full((6, 6), float(rank))
+        summed = DTensor.from_local(mine, mesh2, [Partial(), Replicate()])
+        got = summed.redistribute(mesh2, [Replicate(), Replicate()]).to_local()
+        assert torch.equal(got, torch.full((6, 6), float(sum(i * b + tp for i in range(a)))))
+        scattered = DTensor.from_local(mine, mesh2, [Replicate(), Partial()])
+        got = scattered.redistribute(mesh2, [Replicate(), Shard(0)]).to_local()
+        want = float(sum(dp * b + j for j in range(b)))
+        assert torch.equal(got, torch.full((6 // b, 6), want)), mesh2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_2d_fsdp2_over_dp_and_tensor_parallel_over_tp_equals_one_process(meshes_2d):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 12)  # 12 hidden units: divisible by every tp size here
+            self.down = nn.Linear(12, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    for mesh2 in meshes_2d:
+        a = mesh2.size(0)
+        dp = mesh2.get_coordinate()[0]
+        torch.manual_seed(0)
+        model, ref = MLP(), MLP()
+        ref.load_state_dict(model.state_dict())
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(model, mesh2["tp"], plan)
+        fully_shard(model, mesh=mesh2["dp"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = _data(4 * a, 8, seed=30 + step), _data(4 * a, 8, seed=40 + step)
+            opt.zero_grad()
+            # each dp group its part of the batch; the ranks of a tp group the same part
+            nn.functional.mse_loss(model(x.chunk(a)[dp]), y.chunk(a)[dp]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        for (name, got), want in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert tuple(got.device_mesh.mesh_dim_names) == ("dp", "tp"), name
+            torch.testing.assert_close(
+                got.full_tensor(), want, rtol=1e-5, atol=1e-6, msg=f"{mesh2}: {name}"
+            )
 
 
 # ---------------------------------------------------------------------------
