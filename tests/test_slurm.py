@@ -399,3 +399,126 @@ def test_preemptible_training_survives_preemption_and_the_time_limit_warning(
     if slurm.accounting:
         rows = slurm.sacct(job, expected=3)
         assert [r["State"] for r in rows] == ["REQUEUED", "REQUEUED", "COMPLETED"], rows
+
+
+# ---------------------------------------------------------------------------
+# slurm/torch_job.sbatch: torch programs on the "ferrompi" backend
+# ---------------------------------------------------------------------------
+
+
+def _without_torch_rendezvous(slurm: Slurm) -> Slurm:
+    """The test Slurm's client, without MASTER_ADDR / MASTER_PORT: nothing torch needs is set."""
+    env = {k: v for k, v in slurm.env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return Slurm(env)
+
+
+def _final_accuracy(log: str) -> float:
+    line = next(ln for ln in log.splitlines() if ln.startswith("final test accuracy"))
+    return float(line.split()[3])
+
+
+def test_torch_job_template_trains_fsdp2_and_resumes_on_fewer_ranks(slurm, tmp_path):
+    """examples/torch_fsdp2.py (FSDP2 + DCP) by default, on 4 ranks; the same run submitted
+    again on 2 ranks for a third epoch resumes from its DCP checkpoint, resharded."""
+    pytest.importorskip("torch", reason="slurm/torch_job.sbatch runs torch (not installed)")
+    slurm = _without_torch_rendezvous(slurm)
+    env = {"FERROMPI_RUN_DIR": str(tmp_path / "run")}
+    job = slurm.sbatch("torch_job.sbatch", "--epochs", "2", cwd=tmp_path, env=env)
+    states = slurm.wait(job, timeout=180)
+    log = _log(tmp_path / f"ferrompi-torch-{job}.out")
+    assert states[job]["JobState"] == "COMPLETED", log
+    assert states[job]["ExitCode"] == "0:0", log
+    assert f"ferrompi-torch: job {job} (restart 0), 4 ranks on " in log, log
+    assert "starting at step 0 of 124 on 4 ranks (backend ferrompi" in log, log
+    losses = [float(ln.split()[3]) for ln in log.splitlines() if ln.startswith("epoch ")]
+    assert len(losses) == 2 and losses[1] < losses[0] / 5, log
+    assert _final_accuracy(log) >= 0.95 and "(4 ranks, FSDP2 on ferrompi)" in log, log
+    assert f"checkpoint at step 124: {tmp_path / 'run' / 'checkpoint'}/step-00000124" in log
+    assert (tmp_path / "run" / "final.pt").exists(), log
+    assert "ferrompi-torch: exit status 0" in log, log
+
+    again = slurm.sbatch(
+        "torch_job.sbatch", "--epochs", "3", options=["--ntasks=2"], cwd=tmp_path, env=env
+    )
+    states = slurm.wait(again, timeout=180)
+    log = _log(tmp_path / f"ferrompi-torch-{again}.out")
+    assert states[again]["JobState"] == "COMPLETED", log
+    assert "at step 124 of 186 on 2 ranks (backend ferrompi" in log, log
+    assert "epoch 3/3 " in log and "epoch 2/3 " not in log, log
+    assert _final_accuracy(log) >= 0.95 and "(2 ranks, FSDP2 on ferrompi)" in log, log
+    if slurm.accounting:
+        for j in (job, again):
+            (row,) = slurm.sacct(j, expected=1)
+            assert (row["State"], row["ExitCode"]) == ("COMPLETED", "0:0"), row
+
+
+TORCH_REPORT = """
+import datetime
+import json
+import os
+import torch
+import torch.distributed as dist
+import ferrompi as fm
+import ferrompi.torch  # registers "ferrompi"
+
+# a short timeout: a rendezvous that hangs fails the job (python -m ferrompi ends it)
+dist.init_process_group("ferrompi", timeout=datetime.timedelta(seconds=20))
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total)
+record = {
+    "rank": dist.get_rank(),
+    "world_size": dist.get_world_size(),
+    "backend": dist.get_backend(),
+    "allreduce": total.item(),
+    "threads": torch.get_num_threads(),
+    "master": [os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")],
+    "launcher": fm.launch_info().launcher,
+    "node": fm.launch_info().slurm_node,
+}
+dist.destroy_process_group()
+print("TORCH " + json.dumps(record), flush=True)
+"""
+
+# Across nodes under srun's pmi2 plugin the template selects MPICH's OFI module
+# (as multi_node.sbatch does), and there ferrompi.torch's rendezvous hangs: rank 0
+# broadcasts the store's address over MPI and then blocks in TCPStore(...) until
+# every rank has connected, while a rank's receive of that broadcast still needs
+# rank 0's MPI progress. Reproduced without Slurm:
+#   MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi mpiexec -n 2 python -c \
+#     'import torch.distributed as d, ferrompi.torch; d.init_process_group("ferrompi")'
+ACROSS_NODES_HANGS = pytest.mark.xfail(
+    strict=True,
+    reason="ferrompi.torch: the store rendezvous hangs under MPICH's OFI netmod (rank 0 "
+    "blocks in TCPStore before its broadcast of the address has reached every rank)",
+)
+
+
+@pytest.mark.parametrize("nodes", [1, pytest.param(2, marks=ACROSS_NODES_HANGS)])
+def test_torch_job_template_runs_a_given_torch_program(slurm, tmp_path, nodes):
+    """A program given as the argument: 2 ranks per node of 2 CPUs each, on 1 or 2 nodes."""
+    pytest.importorskip("torch", reason="slurm/torch_job.sbatch runs torch (not installed)")
+    if slurm.nodes < nodes:
+        pytest.skip(f"the test Slurm has {slurm.nodes} node (FERROMPI_SLURM_NODES)")
+    slurm = _without_torch_rendezvous(slurm)
+    (tmp_path / "report.py").write_text(TORCH_REPORT)
+    job = slurm.sbatch(
+        "torch_job.sbatch",
+        str(tmp_path / "report.py"),
+        options=[f"--nodes={nodes}", f"--ntasks={2 * nodes}", "--cpus-per-task=2"],
+        cwd=tmp_path,
+    )
+    states = slurm.wait(job, timeout=120)
+    log = _log(tmp_path / f"ferrompi-torch-{job}.out")
+    assert states[job]["JobState"] == "COMPLETED", log
+    decoder = json.JSONDecoder()
+    records = [decoder.raw_decode(log, m.end())[0] for m in re.finditer(r"TORCH (?=\{)", log)]
+    n = 2 * nodes
+    assert sorted(r["rank"] for r in records) == list(range(n)), log
+    for r in records:
+        assert (r["world_size"], r["backend"]) == (n, "ferrompi"), r
+        assert r["allreduce"] == n * (n - 1) // 2, r
+        assert r["master"] == [None, None] and r["launcher"] == "slurm", r
+        assert r["threads"] == 2, r  # OMP_NUM_THREADS from --cpus-per-task
+    assert len({r["node"] for r in records}) == nodes, records
+    assert not (tmp_path / "runs").exists(), "a given program got the default one's run folder"
+    assert "ferrompi-torch: exit status 0" in log, log
