@@ -565,6 +565,10 @@ def _store_over_mpi(timeout: datetime.timedelta):
             probe.bind(("", 0))
             address = (socket.gethostname(), probe.getsockname()[1])
     host, port = comm.bcast(address, root=0)
+    # Every rank has the address before rank 0 blocks in the store's constructor,
+    # which makes no MPI progress: under MPICH's OFI netmod the others' bcast can
+    # still need rank 0's progress after rank 0's bcast returned (a hang otherwise).
+    comm.Barrier()
     return _rendezvous._create_c10d_store(host, port, rank, size, timeout)
 
 

@@ -479,21 +479,8 @@ dist.destroy_process_group()
 print("TORCH " + json.dumps(record), flush=True)
 """
 
-# Across nodes under srun's pmi2 plugin the template selects MPICH's OFI module
-# (as multi_node.sbatch does), and there ferrompi.torch's rendezvous hangs: rank 0
-# broadcasts the store's address over MPI and then blocks in TCPStore(...) until
-# every rank has connected, while a rank's receive of that broadcast still needs
-# rank 0's MPI progress. Reproduced without Slurm:
-#   MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi mpiexec -n 2 python -c \
-#     'import torch.distributed as d, ferrompi.torch; d.init_process_group("ferrompi")'
-ACROSS_NODES_HANGS = pytest.mark.xfail(
-    strict=True,
-    reason="ferrompi.torch: the store rendezvous hangs under MPICH's OFI netmod (rank 0 "
-    "blocks in TCPStore before its broadcast of the address has reached every rank)",
-)
 
-
-@pytest.mark.parametrize("nodes", [1, pytest.param(2, marks=ACROSS_NODES_HANGS)])
+@pytest.mark.parametrize("nodes", [1, 2])
 def test_torch_job_template_runs_a_given_torch_program(slurm, tmp_path, nodes):
     """A program given as the argument: 2 ranks per node of 2 CPUs each, on 1 or 2 nodes."""
     pytest.importorskip("torch", reason="slurm/torch_job.sbatch runs torch (not installed)")

@@ -411,8 +411,15 @@ DDP_EXITS = """
 """
 
 
-def test_a_torch_program_exits_with_status_0_on_every_rank(tmp_path):
-    run = _job(tmp_path, DDP_EXITS, 3)
+# MPICH's OFI network module with shared memory off: MPI's traffic goes as between
+# nodes (what the multi-node Slurm templates choose); there, the store rendezvous
+# once hung, rank 0 blocked in TCPStore while a rank's bcast needed its progress.
+BETWEEN_NODES = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "MPIEXEC_TIMEOUT": "90"}
+
+
+@pytest.mark.parametrize("network", [{}, BETWEEN_NODES], ids=["default", "ofi-between-nodes"])
+def test_a_torch_program_exits_with_status_0_on_every_rank(tmp_path, network):
+    run = _job(tmp_path, DDP_EXITS, 3, **network)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = json_lines(run.stdout)  # the ranks' lines may interleave
     assert reports == {r: {"rank": r, "initialized": False} for r in range(3)}, run.stdout
