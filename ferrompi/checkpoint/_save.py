@@ -634,7 +634,8 @@ def save_distributed(
         (``int``, ``float``, ``str``, ``bool``, ``None``, lists) are stored as
         JSON text attributes and must be equal on every rank; a torch
         tensor is replicated and a torch DTensor written by its placements
-        (``docs/checkpoint.md``, "torch state dicts"). Every rank passes the same names, dtypes and trailing shapes.
+        (``docs/checkpoint.md``, "torch state dicts"). Every rank passes
+        the same names, dtypes and trailing shapes.
     path : str or os.PathLike
         The checkpoint directory (on a file system every rank sees).
     backend : Backend

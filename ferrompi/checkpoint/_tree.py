@@ -68,8 +68,7 @@ def _check_key(key: object, parent: str) -> str:
             else ""
         )
         raise CheckpointInvalidArgument(
-            f"state dict key {key!r}{where} is a {type(key).__name__}; keys must be "
-            f"strings{hint}"
+            f"state dict key {key!r}{where} is a {type(key).__name__}; keys must be strings{hint}"
         )
     if key in ("", ".", "..") or "/" in key or "\0" in key:
         raise CheckpointInvalidArgument(
