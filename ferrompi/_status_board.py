@@ -334,6 +334,42 @@ collective_quick_tests = range(4)
 #: A wait that has lasted this long starts calling its probe, every as long again.
 PROBE_INTERVAL = 0.01
 
+#: Whether the waits of a helper thread (:func:`helper_thread`) sleep between
+#: tests: when this node's ranks have no spare CPU each for one (more than
+#: half as many CPUs as ranks), so that the ranks' own threads get the cores.
+#: Set when :func:`ferrompi.init` creates the node's board.
+helpers_sleep = False
+
+#: A sleeping wait's first sleep and its longest, in seconds; each sleep is
+#: twice the one before (docs/performance.md, "DDP's overlap"). Linux adds its
+#: timer slack (50 us by default) to each.
+HELPER_SLEEPS = (2e-6, 2e-4)
+
+_HELPER = threading.local()
+
+
+def helper_thread() -> None:
+    """Mark the calling thread as a helper that waits beside the program's threads
+    (the torch bridge's): its waits sleep between tests where :data:`helpers_sleep`."""
+    _HELPER.sleeps = helpers_sleep
+
+
+def _sleep_until(done, deadline: float, probe) -> bool:
+    """:func:`spin_until` of a helper thread: a test, then a sleep twice as long as the last."""
+    delay, longest = HELPER_SLEEPS
+    monotonic, sleep = time.monotonic, time.sleep
+    next_probe = monotonic() + PROBE_INTERVAL
+    while not done():
+        now = monotonic()
+        if now > deadline:
+            return False
+        if probe is not None and now >= next_probe:
+            probe()
+            next_probe = now + PROBE_INTERVAL
+        sleep(delay)
+        delay = min(2 * delay, longest)
+    return True
+
 
 def spin_until(done, deadline: float, probe=None, collective: bool = True) -> bool:
     """Call ``done()`` until it returns true (True), or until ``deadline`` passes (False).
@@ -344,8 +380,11 @@ def spin_until(done, deadline: float, probe=None, collective: bool = True) -> bo
     of them (:data:`yield_after` unless ``collective``), and reads the clock
     (``time.monotonic``) every 256 tries. ``probe()``, if given, is called
     every :data:`PROBE_INTERVAL` seconds once the wait has lasted that long;
-    it raises to end the wait.
+    it raises to end the wait. A helper thread's wait may sleep instead
+    (:func:`helper_thread`).
     """
+    if getattr(_HELPER, "sleeps", False):
+        return _sleep_until(done, deadline, probe)
     monotonic = time.monotonic
     patience = collective_yield_after if collective else yield_after
     mask = yield_every - 1
@@ -376,6 +415,12 @@ def _yield_policy(node_ranks: int, cpus: int) -> tuple[int, int, int]:
     return (2, 4, 1) if node_ranks > cpus else (512, 512, 1024)
 
 
+def _helpers_sleep(node_ranks: int, cpus: int) -> bool:
+    """:data:`helpers_sleep` for ``node_ranks`` ranks on ``cpus`` CPUs: whether a
+    helper thread per rank would find no spare CPU."""
+    return 2 * node_ranks > cpus
+
+
 def process_participant(create_board: bool = False) -> Participant:
     """The participant of this MPI process.
 
@@ -383,7 +428,7 @@ def process_participant(create_board: bool = False) -> Participant:
     :func:`ferrompi.init`) the record is placed on the node's shared board.
     Before that, the process writes into a private record no peer can read.
     """
-    global _PROCESS, yield_after, collective_yield_after, yield_every
+    global _PROCESS, yield_after, collective_yield_after, yield_every, helpers_sleep
     global quick_tests, collective_quick_tests
     with _PROCESS_LOCK:
         shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
@@ -393,6 +438,7 @@ def process_participant(create_board: bool = False) -> Participant:
             yield_after, collective_yield_after, yield_every = policy
             quick_tests = range(min(64, yield_after))
             collective_quick_tests = range(min(64, collective_yield_after))
+            helpers_sleep = _helpers_sleep(len(_PROCESS.board.rows), _PROCESS.board.cpus)
         elif _PROCESS is None:
             rank = MPI.COMM_WORLD.rank
             _PROCESS = Participant(Board({rank: np.zeros(REC_WORDS, np.int64)}), rank, os.getpid())

@@ -19,12 +19,20 @@ Every operation of torch's ``ProcessGroup`` runs on ferrompi's own
 collectives and messages, on a communicator of the group's own (a duplicate
 of the world's, or its members' for a sub-group), so the status board,
 flight recorder and timeouts that name the missing rank apply; the timeout
-of ``init_process_group`` / ``new_group`` is the group's. Operations start
-(the MPI request is posted) in the calling thread, in program order, as MPI
-requires; each returns a :class:`FerrompiWork` whose future completes when
-MPI does: a progress thread completes the works in order, or ``wait()``
-does, whichever comes first. So DDP's bucket all-reduces overlap its
-backward pass, and a blocking call pays no hand-off to another thread.
+of ``init_process_group`` / ``new_group`` is the group's.
+
+A call torch makes blocking runs ferrompi's blocking call in the calling
+thread (the node engine's where it is faster). An asynchronous collective
+(``async_op=True``; every call of DDP's reducer) goes to the *lane*, a thread
+that runs the process's asynchronous collectives one after the other, each
+as its blocking call, in the order they were called; a blocking collective
+first waits until the lane has run those called before it, so every rank's
+communicator sees the same sequence, as MPI requires. So DDP's bucket
+all-reduces run, on the node engine, while backward goes on. Messages
+(send, recv) are posted in the calling thread; a progress thread completes
+those whose future someone asked for. Where the node's ranks have no spare
+CPU each for these threads, their waits sleep between tests instead of
+spinning (``docs/performance.md``, "DDP's overlap").
 
 Examples
 --------
@@ -49,6 +57,7 @@ import torch.distributed as dist
 
 from ._arrays import numpy_view
 from ._mpi import MPI, require_mpi
+from ._status_board import helper_thread
 from .backend import MPIBackend, init
 from .collectives import (
     all_gather,
@@ -81,14 +90,15 @@ BACKEND_NAME = "ferrompi"
 class FerrompiWork(dist._Work):
     """The pending operation of a ferrompi process group (torch's ``Work``).
 
-    ``wait()`` completes it (raising ferrompi's error, a timeout naming the
-    missing rank among them); ``get_future()`` is a ``torch.futures.Future``
-    completed with the output tensors when MPI completes: from the first
-    call of ``get_future`` on, the progress thread completes the work if no
-    one waits first. A work nobody asks the future of costs no thread.
+    ``wait()`` completes it, or waits until the lane has (raising ferrompi's
+    error, a timeout naming the missing rank among them); ``get_future()`` is
+    a ``torch.futures.Future`` completed with the output tensors when the
+    operation is: a collective's by the lane; a message's by the progress
+    thread, from the first call of ``get_future`` on, if no one waits first
+    (a message nobody asks the future of costs no thread).
     """
 
-    def __init__(self, pendings: list, outputs: list, finish=None, source=None) -> None:
+    def __init__(self, pendings: list, outputs: list, finish=None, source=None, start=None) -> None:
         super().__init__()
         self._pendings = pendings
         self._outputs = outputs
@@ -100,8 +110,26 @@ class FerrompiWork(dist._Work):
         self._error: BaseException | None = None
         self._inner: torch.futures.Future | None = None
         self._future: torch.futures.Future | None = None
-        if not pendings:
+        # A collective the lane runs (its blocking call): set once it has run.
+        self._start = start
+        self._settled = None if start is None else threading.Event()
+        if not pendings and start is None:
             self._complete()
+
+    def _run(self) -> None:
+        """Run the deferred collective (the lane's thread): its blocking call, then settle."""
+        try:
+            self._start(False)
+            if self._finish is not None:
+                self._finish()
+        except BaseException as exc:
+            self._error = exc
+        with self._lock:
+            self._done = True
+            inner = self._inner
+        self._settled.set()
+        if inner is not None:
+            inner.set_result(None)
 
     def _complete(self) -> None:
         """Complete every pending operation, once; record the error if one fails."""
@@ -141,8 +169,8 @@ class FerrompiWork(dist._Work):
                 self._future = self._inner.then(self._outcome)
                 if self._done:
                     settle = True  # _complete has run: this call completes the chain
-                else:
-                    _progress().put(self)
+                elif self._start is None:  # (the lane settles a deferred collective)
+                    _progress().put(self._complete)
         if settle:
             self._inner.set_result(None)
         return self._future
@@ -157,7 +185,10 @@ class FerrompiWork(dist._Work):
         return self._error
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._complete()
+        if self._settled is not None:
+            self._settled.wait()  # the lane runs it, under the group's timeout
+        else:
+            self._complete()
         if self._error is not None:
             raise self._error
         return True
@@ -178,21 +209,23 @@ class FerrompiWork(dist._Work):
 
 
 class _Progress:
-    """The thread that completes the works in the order they started.
+    """A thread that runs jobs in the order they are put: the lane's (deferred
+    collectives) or the progress thread's (completing started messages).
 
     Stopped at interpreter exit (:func:`atexit`), before Python finalizes: a
     daemon thread still alive then is unwound by the interpreter, and one
     with torch's C++ frames on its stack aborts the process.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self.works: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="ferrompi-torch", daemon=True)
+        self.last: FerrompiWork | None = None  # the lane's last deferred collective
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
         atexit.register(self.stop)
 
-    def put(self, work: FerrompiWork) -> None:
-        self.works.put(work)
+    def put(self, job) -> None:
+        self.works.put(job)
 
     def stop(self, seconds: float = 5.0) -> None:
         """End the thread once the works already started are complete (or ``seconds``)."""
@@ -200,20 +233,43 @@ class _Progress:
         self.thread.join(seconds)
 
     def _run(self) -> None:
-        while (work := self.works.get()) is not None:
-            work._complete()
+        helper_thread()
+        while (job := self.works.get()) is not None:
+            job()
 
 
 _PROGRESS: list[_Progress] = []
-_PROGRESS_LOCK = threading.Lock()
+_LANE: list[_Progress] = []
+_THREADS_LOCK = threading.Lock()
+
+
+def _thread(threads: list, name: str) -> _Progress:
+    if not threads:
+        with _THREADS_LOCK:
+            if not threads:
+                threads.append(_Progress(name))
+    return threads[0]
 
 
 def _progress() -> _Progress:
-    if not _PROGRESS:
-        with _PROGRESS_LOCK:
-            if not _PROGRESS:
-                _PROGRESS.append(_Progress())
-    return _PROGRESS[0]
+    """The thread that completes started works whose future someone asked for."""
+    return _thread(_PROGRESS, "ferrompi-torch-progress")
+
+
+def _defer(work: FerrompiWork) -> FerrompiWork:
+    """Hand the collective ``work`` to the lane: the thread that runs the process's
+    asynchronous collectives, one after the other, in the order they were called."""
+    lane = _thread(_LANE, "ferrompi-torch-lane")
+    lane.last = work
+    lane.put(work._run)
+    return work
+
+
+def _drain() -> None:
+    """Wait until the lane has run every collective handed to it (program order)."""
+    last = _LANE[0].last if _LANE else None
+    if last is not None:
+        last._settled.wait()
 
 
 # ---------------------------------------------------------------------------
@@ -279,6 +335,7 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """``destroy_process_group``: free the group's communicator (and node engine)."""
+        _drain()
         destroy_process_group(self.backend)
 
     def _work(self, asynchronous, pendings, outputs, finish=None, source=None):
@@ -301,130 +358,181 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
             (lambda: [f() for f in finishes]) if finishes else None,
         )
 
+    def _collective(self, asynchronous: bool, start, outputs: list, finish=None):
+        """The work of a collective: ``start(async_op)`` returns its pendings.
+
+        Asynchronous (DDP's buckets, ``async_op=True``): the lane runs its
+        blocking call (the node engine's, where the blocking call takes it)
+        while the caller goes on. Otherwise it runs here, once the lane has
+        run the collectives handed to it before: program order, on every rank.
+        """
+        if asynchronous and self._coalescing is None:
+            return _defer(FerrompiWork([], outputs, finish, start=start))
+        _drain()
+        return self._work(asynchronous, start(asynchronous), outputs, finish)
+
     # -- reductions ----------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        a = _asynchronous(opts)
-        op = _op(opts)
+        op, b = _op(opts), self.backend
         views = [_view(t) for t in tensors]
-        pendings = [allreduce(v, self.backend, op, out=v, async_op=a) for v in views]
-        return self._work(a, pendings, tensors)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [allreduce(v, b, op, out=v, async_op=a) for v in views],
+            tensors,
+        )
 
     def allreduce_coalesced(self, tensors, opts=None):
-        allreduce_coalesced(tensors, self.backend, _op(opts), out=tensors)
-        return self._work(False, [], tensors)
+        op, b = _op(opts), self.backend
+        return self._collective(
+            False, lambda a: allreduce_coalesced(tensors, b, op, out=tensors), tensors
+        )
 
     def reduce(self, tensors, opts=None):
-        a = _asynchronous(opts)
-        root, op = opts.rootRank, _op(opts)
+        root, op, b = opts.rootRank, _op(opts), self.backend
         views = [_view(t) for t in tensors]
-        pendings = [reduce(v, self.backend, root, op, out=v, async_op=a) for v in views]
-        return self._work(a, pendings, tensors)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce(v, b, root, op, out=v, async_op=a) for v in views],
+            tensors,
+        )
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        a = _asynchronous(opts)
-        pending = reduce_scatter(
-            _flat(input), self.backend, _op(opts), out=_flat(output), async_op=a
+        op, b = _op(opts), self.backend
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce_scatter(_flat(input), b, op, out=_flat(output), async_op=a)],
+            [output],
         )
-        return self._work(a, [pending], [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        a = _asynchronous(opts)
-        op = _op(opts)
-        pendings = [
-            reduce_scatter(_flat(i), self.backend, op, out=_flat(o), async_op=a)
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return self._work(a, pendings, outputs)
+        op, b = _op(opts), self.backend
+        pairs = list(zip(outputs, inputs, strict=True))
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce_scatter(_flat(i), b, op, out=_flat(o), async_op=a) for o, i in pairs],
+            outputs,
+        )
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        a = _asynchronous(opts)
-        op = _op(opts)
-        pendings = []
-        for out, parts in zip(output_tensors, input_tensors, strict=True):
-            fused = torch.cat([_flat_tensor(p) for p in parts])
-            pendings.append(reduce_scatter(fused, self.backend, op, out=_flat(out), async_op=a))
-        return self._work(a, pendings, output_tensors)
+        op, b = _op(opts), self.backend
+        fused = [
+            (_flat(out), torch.cat([_flat_tensor(p) for p in parts]))
+            for out, parts in zip(output_tensors, input_tensors, strict=True)
+        ]
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce_scatter(f, b, op, out=out, async_op=a) for out, f in fused],
+            output_tensors,
+        )
 
     # -- broadcast, gathers and scatters ---------------------------------------
 
     def broadcast(self, tensors, opts=None):
-        a = _asynchronous(opts)
-        root = opts.rootRank if opts is not None else 0
+        root, b = (opts.rootRank if opts is not None else 0), self.backend
         views = [_view(t) for t in tensors]
-        pendings = [broadcast(v, self.backend, root, out=v, async_op=a) for v in views]
-        return self._work(a, pendings, tensors)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [broadcast(v, b, root, out=v, async_op=a) for v in views],
+            tensors,
+        )
 
     def _allgather_base(self, output, input, opts=None):
-        a = _asynchronous(opts)
-        pending = all_gather(_flat(input), self.backend, out=_flat(output), async_op=a)
-        return self._work(a, [pending], [output])
+        b = self.backend
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [all_gather(_flat(input), b, out=_flat(output), async_op=a)],
+            [output],
+        )
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        a = _asynchronous(opts)
-        pendings = [
-            all_gather(_flat(i), self.backend, out=_flat(o), async_op=a)
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return self._work(a, pendings, outputs)
+        b = self.backend
+        pairs = list(zip(outputs, inputs, strict=True))
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [all_gather(_flat(i), b, out=_flat(o), async_op=a) for o, i in pairs],
+            outputs,
+        )
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        a = _asynchronous(opts)
-        pendings, copies = [], []
+        b = self.backend
+        fused, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
-            fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
-            pendings.append(all_gather(_flat(inp), self.backend, out=fused, async_op=a))
-            copies.append((outs, fused))
-        return self._work(a, pendings, output_tensors, _copy_parts(copies))
+            out = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
+            fused.append((_flat(inp), out))
+            copies.append((outs, out))
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [all_gather(i, b, out=o, async_op=a) for i, o in fused],
+            output_tensors,
+            _copy_parts(copies),
+        )
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        a = _asynchronous(opts)
-        root, inp = opts.rootRank, input_tensors[0]
-        if self.backend.rank == root:
-            outs = output_tensors[0]
-            fused = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
-            pending = gather(_flat(inp), self.backend, root, out=fused, async_op=a)
-            return self._work(a, [pending], output_tensors, _copy_parts([(outs, fused)]))
-        pending = gather(_flat(inp), self.backend, root, async_op=a)
-        return self._work(a, [pending], output_tensors)
+        root, b, t = opts.rootRank, self.backend, input_tensors[0]
+        inp = _flat(t)
+        if b.rank != root:
+            start = lambda a: [gather(inp, b, root, async_op=a)]  # noqa: E731
+            return self._collective(_asynchronous(opts), start, output_tensors)
+        outs = output_tensors[0]
+        fused = torch.empty(len(outs) * t.numel(), dtype=t.dtype, device=t.device)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [gather(inp, b, root, out=fused, async_op=a)],
+            output_tensors,
+            _copy_parts([(outs, fused)]),
+        )
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        a = _asynchronous(opts)
-        root, out = opts.rootRank, output_tensors[0]
+        root, b, out = opts.rootRank, self.backend, _flat(output_tensors[0])
         rows = None
-        if self.backend.rank == root:
+        if b.rank == root:
             rows = torch.cat([_flat_tensor(t) for t in input_tensors[0]])
-        pending = scatter(rows, self.backend, root, out=_flat(out), async_op=a)
-        return self._work(a, [pending], output_tensors)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [scatter(rows, b, root, out=out, async_op=a)],
+            output_tensors,
+        )
 
     # -- all-to-all --------------------------------------------------------------
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        a = _asynchronous(opts)
         b = self.backend
         if not output_split_sizes and not input_split_sizes:
-            pending = all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=a)
-        else:
-            send = list(input_split_sizes) or _equal(input, b.world_size)
-            recv = list(output_split_sizes) or _equal(output, b.world_size)
-            pending = all_to_all_single_uneven(
-                _rows_of(input), send, recv, b, out=_rows_of(output), async_op=a
+            return self._collective(
+                _asynchronous(opts),
+                lambda a: [all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=a)],
+                [output],
             )
-        return self._work(a, [pending], [output])
+        send = list(input_split_sizes) or _equal(input, b.world_size)
+        recv = list(output_split_sizes) or _equal(output, b.world_size)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [
+                all_to_all_single_uneven(
+                    _rows_of(input), send, recv, b, out=_rows_of(output), async_op=a
+                )
+            ],
+            [output],
+        )
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        a = _asynchronous(opts)
+        b = self.backend
         send = [t.numel() for t in input_tensors]
         recv = [t.numel() for t in output_tensors]
         fused_in = torch.cat([_flat_tensor(t) for t in input_tensors])
         fused_out = torch.empty(sum(recv), dtype=fused_in.dtype, device=fused_in.device)
-        pending = all_to_all_single_uneven(
-            fused_in, send, recv, self.backend, out=fused_out, async_op=a
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [
+                all_to_all_single_uneven(fused_in, send, recv, b, out=fused_out, async_op=a)
+            ],
+            output_tensors,
+            _copy_parts([(output_tensors, fused_out)]),
         )
-        return self._work(a, [pending], output_tensors, _copy_parts([(output_tensors, fused_out)]))
 
     # -- messages and barriers -------------------------------------------------
 
@@ -441,12 +549,16 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         return self._work(True, [pending], tensors, source=pending)
 
     def barrier(self, opts=None):
-        a = _asynchronous(opts)
-        return self._work(a, [barrier(self.backend, async_op=a)], [])
+        b = self.backend
+        return self._collective(_asynchronous(opts), lambda a: [barrier(b, async_op=a)], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        monitored_barrier(self.backend, timeout=timeout, wait_all_ranks=wait_all_ranks)
-        return self._work(False, [], [])
+        b = self.backend
+        return self._collective(
+            False,
+            lambda a: monitored_barrier(b, timeout=timeout, wait_all_ranks=wait_all_ranks),
+            [],
+        )
 
 
 # torch 2.13's names of the same operations

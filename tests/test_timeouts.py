@@ -365,6 +365,52 @@ def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
     assert not yields
 
 
+def test_a_helper_thread_s_wait_sleeps_doubling_and_keeps_its_deadline_and_probe(monkeypatch):
+    """Where the ranks have no spare CPU each (``helpers_sleep``), a helper thread's wait
+    sleeps between tests, each sleep twice the last up to the longest; it still ends at
+    its deadline and calls its probe every ``PROBE_INTERVAL``."""
+    import threading
+
+    from ferrompi import _status_board
+
+    monkeypatch.setattr(_status_board, "helpers_sleep", True)
+    sleeps, probes, outcome = [], [], {}
+    real_sleep = time.sleep
+    monkeypatch.setattr(_status_board.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+
+    def helper() -> None:
+        _status_board.helper_thread()
+        tries = iter(range(10))
+        outcome["done"] = _status_board.spin_until(lambda: next(tries) == 9, time.monotonic() + 60)
+        start = time.monotonic()
+        outcome["late"] = _status_board.spin_until(
+            lambda: False, start + 0.05, lambda: probes.append(1)
+        )
+        outcome["waited"] = time.monotonic() - start
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join(10)
+    first, longest = _status_board.HELPER_SLEEPS
+    assert outcome["done"] is True and outcome["late"] is False
+    assert sleeps[:9] == [min(first * 2**i, longest) for i in range(9)]
+    assert 0.05 <= outcome["waited"] < 0.5
+    assert 2 <= len(probes) <= 6  # every 10 ms of a 50 ms wait
+    sleeps.clear()  # the program's own thread spins as before
+    tries = iter(range(10))
+    assert _status_board.spin_until(lambda: next(tries) == 9, time.monotonic() + 60)
+    assert not sleeps
+
+
+@pytest.mark.parametrize(
+    ("node_ranks", "cpus", "sleep"), [(2, 2, True), (2, 4, False), (3, 5, True)]
+)
+def test_helpers_sleep_where_the_ranks_have_no_spare_cpu_each(node_ranks, cpus, sleep):
+    from ferrompi import _status_board
+
+    assert _status_board._helpers_sleep(node_ranks, cpus) is sleep
+
+
 class _TwoRanks:
     """Enough of a communicator for a CommState: rank 0 of 2."""
 

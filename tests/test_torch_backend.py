@@ -198,6 +198,38 @@ def test_async_works_complete_through_their_futures(groups):
         dist.send(torch.tensor([float(dist.get_rank())]), dst=0, tag=9)
 
 
+def test_async_collectives_run_in_program_order_among_blocking_ones(groups):
+    """Asynchronous collectives run on the lane, blocking ones in the caller once the lane
+    has run those called before: every rank's communicator sees the same sequence."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    tensors = [torch.full((100_000,), float(rank + i)) for i in range(6)]  # node engine size
+    works = [dist.all_reduce(t, async_op=True) for t in tensors[:3]]
+    box = torch.full((7,), float(rank))
+    dist.broadcast(box, src=n - 1)  # blocking: after the three, before the rest
+    works += [dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True) for t in tensors[3:]]
+    gathered = [torch.empty(2) for _ in range(n)]
+    dist.all_gather(gathered, torch.tensor([rank, rank * rank], dtype=torch.float32))
+    for w in works[::-1]:  # waited in any order
+        w.wait()
+    assert [t[0].item() for t in tensors[:3]] == [n * i + n * (n - 1) / 2 for i in range(3)]
+    assert [t[-1].item() for t in tensors[3:]] == [n - 1 + i for i in range(3, 6)]
+    assert box.tolist() == [float(n - 1)] * 7
+    assert [g.tolist() for g in gathered] == [[r, r * r] for r in range(n)]
+
+
+def test_an_async_collective_s_error_reaches_its_wait_and_future(groups):
+    """An error of a collective run on the lane is raised by ``wait()`` and by its
+    future (DDP's reducer reads the future), and the group goes on working."""
+    x = torch.ones(4)
+    work = dist.all_reduce(x, op=dist.ReduceOp.BAND, async_op=True)  # bitwise on floats
+    with pytest.raises(fm.UnsupportedOp, match="BAND is not defined for floating"):
+        work.wait()
+    with pytest.raises(Exception, match="BAND"):
+        dist.all_reduce(x, op=dist.ReduceOp.BAND, async_op=True).get_future().wait()
+    dist.all_reduce(x)
+    assert x.tolist() == [float(dist.get_world_size())] * 4
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(
