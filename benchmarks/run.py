@@ -188,6 +188,7 @@ class Calls:
         self.dist = dist  # torch.distributed, or None
         self.gpu_direct = False  # whether MPI takes device pointers (the GPU row)
         self.inputs: list[np.ndarray] = []  # the host inputs of the calls being built
+        self.plans: list[fm.Plan] = []  # the planned calls of the row being built
 
     def _arrays(self, elements: int, out_elements: int | None = None):
         rng = np.random.default_rng(self.rank)
@@ -207,8 +208,19 @@ class Calls:
 
     def build(self, op: str, nbytes: int, rewrite_inputs: bool = False) -> dict:
         self.inputs = []
+        self.free_plans()
         calls = getattr(self, "_" + op)(nbytes)
         return rewriting(calls, self.inputs) if rewrite_inputs else calls
+
+    def _plan(self, calls: dict, plan) -> dict:
+        """``calls`` with ``planned``: ferrompi's persistent plan of the same call."""
+        self.plans.append(plan)
+        calls["planned"] = plan
+        return calls
+
+    def free_plans(self) -> None:
+        while self.plans:
+            self.plans.pop().free()
 
     def _split_elements(self, nbytes: int) -> int:
         n = max(1, nbytes // 4)
@@ -222,7 +234,7 @@ class Calls:
         if self.dist:
             t = self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_reduce(t)
-        return calls
+        return self._plan(calls, fm.allreduce_init(x, self.world, out=out))
 
     def _allreduce_cupy(self, nbytes):
         import cupy as cp
@@ -271,6 +283,7 @@ class Calls:
         else:
             calls = self._ferrompi(lambda pkg, w: lambda: pkg.broadcast(x, w, root=0, out=x))
             calls["mpi4py"] = lambda: c.Bcast(x, 0)
+            self._plan(calls, fm.broadcast_init(x, self.world, root=0, out=x))
         if self.dist:
             t = self._tensor(x)
             if asynchronous:
@@ -294,6 +307,7 @@ class Calls:
         else:
             calls = self._ferrompi(lambda pkg, w: lambda: pkg.all_gather(x, w, out=out))
             calls["mpi4py"] = lambda: c.Allgather(x, out)
+            self._plan(calls, fm.all_gather_init(x, self.world, out=out))
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             gather = self.dist.all_gather_into_tensor
@@ -318,6 +332,7 @@ class Calls:
         else:
             calls = self._ferrompi(lambda pkg, w: lambda: pkg.reduce_scatter(x, w, out=out))
             calls["mpi4py"] = lambda: c.Reduce_scatter_block(x, out, MPI.SUM)
+            self._plan(calls, fm.reduce_scatter_init(x, self.world, out=out))
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             rs = self.dist.reduce_scatter_tensor
@@ -342,6 +357,7 @@ class Calls:
         else:
             calls = self._ferrompi(lambda pkg, w: lambda: pkg.all_to_all(x, w, out=out))
             calls["mpi4py"] = lambda: c.Alltoall(x, out)
+            self._plan(calls, fm.all_to_all_init(x, self.world, out=out))
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             a2a = self.dist.all_to_all_single
@@ -367,6 +383,7 @@ class Calls:
             lambda pkg, w: lambda: pkg.all_to_all_single_uneven(x, send, recv, w, out=out)
         )
         calls["mpi4py"] = lambda: c.Alltoallv([x, (send, sd)], [out, (recv, rd)])
+        self._plan(calls, fm.all_to_all_single_uneven_init(x, send, recv, self.world, out=out))
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_to_all_single(tout, tx, recv, send)
@@ -384,6 +401,7 @@ class Calls:
             lambda pkg, w: lambda: pkg.sendrecv(x, out.shape, dst, w, source=src, out=out)
         )
         calls["mpi4py"] = lambda: c.Sendrecv(x, dst, 0, out, src, 0)
+        self._plan(calls, fm.sendrecv_init(x, out.shape, dst, self.world, source=src, out=out))
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
             dist = self.dist
@@ -651,12 +669,12 @@ def probe_line(when: str, probe: dict[str, float] | None) -> str:
     )
 
 
-def added_time(row: dict, than: str = "mpi4py") -> float | None:
-    """The median over repetitions of ferrompi's sample minus ``than``'s (seconds), or None."""
+def added_time(row: dict, than: str = "mpi4py", of: str = "ferrompi") -> float | None:
+    """The median over repetitions of ``of``'s sample minus ``than``'s (seconds), or None."""
     samples = row["samples"]
-    if "ferrompi" not in samples or than not in samples:
+    if of not in samples or than not in samples:
         return None
-    pairs = zip(samples["ferrompi"], samples[than], strict=True)
+    pairs = zip(samples[of], samples[than], strict=True)
     return statistics.median(f - m for f, m in pairs)
 
 
@@ -785,6 +803,29 @@ def target_report(results: list[dict]) -> list[str]:
                     f"gloo/ferrompi >= {factor}x {what}", rows, factor, False, "{:.1f}x".format
                 )
             )
+    planned = [r for r in ratio_rows if "planned" in r["stats"]]
+    small = [(label(r), added_time(r, of="planned")) for r in planned if r["bytes"] <= KiB]
+    if small:
+        lines.append(
+            _verdict(
+                "planned <= mpi4py + 1 us up to 1 KiB (paired; issue 39)",
+                small,
+                1e-6,
+                True,
+                lambda v: f"{v * 1e6:+.1f} us",
+            )
+        )
+    large = [
+        (label(r), median(r, "planned") / median(r, "mpi4py"))
+        for r in planned
+        if r["bytes"] >= 64 * KiB
+    ]
+    if large:
+        lines.append(
+            _verdict(
+                "planned/mpi4py <= 1.02 from 64 KiB (issue 39)", large, 1.02, True, "{:.2f}".format
+            )
+        )
     for r in results:
         if r["op"] == "allreduce_coalesced" and "ferrompi 100 calls" in r["stats"]:
             speedup = median(r, "ferrompi 100 calls") / median(r, "ferrompi")
@@ -941,6 +982,7 @@ def main(argv: list[str] | None = None) -> int:
                 parts = "  ".join(f"{k} {fmt_time(v).strip()}" for k, v in med.items())
                 print(f"{op:<22}{human(nbytes):>10}  {parts}", flush=True)
 
+    calls.free_plans()
     memory = memory_report(world, comm) if args.memory else None
     probes["after"] = cache_probe(comm)
     status = 0

@@ -20,6 +20,7 @@ from .objects import *
 from .ops import *
 from .p2p import *
 from .placements import *
+from .plans import *
 from .rooted import *
 from .uneven import *
 

@@ -187,6 +187,17 @@ def _not_member(rank: int, members, opcode: int, what: str) -> InvalidRank:
     return exc
 
 
+class Planning:
+    """A ``timeout=`` that makes :func:`run` hand back the call's parts instead of
+    running it: how :mod:`ferrompi.plans` plans a call with the call's own checks."""
+
+    __slots__ = ("parts", "timeout")
+
+    def __init__(self, timeout: Timeout) -> None:
+        self.timeout = timeout
+        self.parts: tuple | None = None
+
+
 def run(backend, opcode: int, timeout: Timeout, blocking: bool, prepare, args: tuple):
     """Run operation ``opcode`` on ``backend``: ``prepare(state, seconds, args)``, then the rest.
 
@@ -209,7 +220,13 @@ def run(backend, opcode: int, timeout: Timeout, blocking: bool, prepare, args: t
         backend = group_of(backend, None, opcode)
         state = backend._state
     try:
-        seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
+        if timeout is None:
+            seconds = backend._timeout
+        elif type(timeout) is Planning:  # a plan's parts, not a call (ferrompi.plans)
+            timeout.parts = (backend, opcode, blocking, prepare, args)
+            return timeout
+        else:
+            seconds = timeout_seconds(timeout)
         begin, route, post, post_args, result, finish, keep, wait = prepare(state, seconds, args)
     except FerrompiError as exc:
         state.fail_before_start(opcode, str(exc))

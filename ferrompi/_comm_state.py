@@ -62,6 +62,7 @@ class CommState:
         "last",
         "owned",
         "participant",
+        "plans",
         "rank",
         "rec",
         "rejected",
@@ -95,6 +96,9 @@ class CommState:
         self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
         self.rejected = 0  # the collective this rank last rejected locally, until settled
         self.destroyed = False  # by ferrompi.destroy_process_group
+        #: The live plans holding a persistent request on ``comm`` (ferrompi.plans):
+        #: destroying the group releases their requests before the communicator.
+        self.plans: weakref.WeakSet = weakref.WeakSet()
 
     def fusion_buffer(self, dtype, count: int):
         """A reused 1-D buffer of ``count`` elements of ``dtype`` (grown, never shrunk)."""

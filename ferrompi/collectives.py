@@ -1048,5 +1048,4 @@ def barrier(
         backend = group_of(backend, group, _BARRIER)
     if async_op:
         return run(backend, _ASYNC_BARRIER, timeout, False, barrier_call, ())
-    run(backend, _BARRIER, timeout, True, barrier_call, ())
-    return None
+    return run(backend, _BARRIER, timeout, True, barrier_call, ())  # None (a plan's parts)

@@ -636,6 +636,8 @@ def destroy_process_group(group: Backend) -> None:
     state.broken = DESTROYED
     engine, state.shm = state.shm, False
     state.fusion.clear()
+    for plan in list(state.plans):
+        plan.release_request()
     state.release()  # the status board's slot, for the next communicator
     try:
         if engine:

@@ -294,7 +294,7 @@ def send(
         If ``dst`` is not in ``[0, world_size)``.
     """
     backend, dst = group_and_rank(backend, group, dst, group_dst, _ISEND, "dst")
-    run(backend, _ISEND, timeout, True, _send, (x, dst, tag))
+    return run(backend, _ISEND, timeout, True, _send, (x, dst, tag))  # None (a plan's parts)
 
 
 def isend(

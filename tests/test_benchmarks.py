@@ -54,6 +54,21 @@ def test_targets_report_what_is_met_and_each_miss_worst_first():
     ]
 
 
+def test_targets_report_the_planned_rows():
+    results = [
+        row("allreduce", 4, ferrompi=[6.0] * 3, mpi4py=[5.0] * 3, planned=[5.5, 5.8, 5.9]),
+        row("sendrecv", 4, ferrompi=[6.0] * 3, mpi4py=[5.0] * 3, planned=[7.0] * 3),
+        row("allreduce", 64 * KiB, ferrompi=[12.0] * 3, mpi4py=[10.0] * 3, planned=[10.1] * 3),
+        row("broadcast", MiB, ferrompi=[110.0] * 3, mpi4py=[100.0] * 3, planned=[105.0] * 3),
+    ]
+    report = run.target_report(results)
+    assert report[3:5] == [
+        "  planned <= mpi4py + 1 us up to 1 KiB (paired; issue 39): 1 of 2 met; "
+        "missed: sendrecv 4 B +2.0 us",
+        "  planned/mpi4py <= 1.02 from 64 KiB (issue 39): 1 of 2 met; missed: broadcast 1 MiB 1.05",
+    ]
+
+
 def test_targets_report_only_what_was_measured():
     assert run.target_report([]) == []
     quick = [row("allreduce", MiB, ferrompi=[90.0] * 3, mpi4py=[100.0] * 3)]

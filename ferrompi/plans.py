@@ -1,0 +1,367 @@
+"""Persistent plans: a call checked once, then started at MPI's speed.
+
+``fm.allreduce_init(x, group, op, out=y)`` takes the arguments of
+:func:`~ferrompi.allreduce` and returns a :class:`Plan` (mpi4py's
+``Comm.Allreduce_init`` convention; MPI-4 persistent operations): the
+argument checks run once, the ranks check once, collectively, that their
+calls agree (shapes, dtypes, roots, reductions), and each call of the plan
+only starts the operation and completes it. The arrays are fixed at
+planning: refill ``x`` in place between calls (or pass a new array of the
+same shape and dtype to the call, which copies it in); the result is
+written into the same output every time (``out`` when given).
+
+Every collective and ``send`` / ``recv`` / ``sendrecv`` has its
+``*_init``. Each planned call still writes its status-board record and
+flight entry and completes under its timeout, so a timeout in a planned
+loop names the missing rank and the plan's operation. Where the MPI
+library has MPI-4 persistent operations (MPICH ≥ 4), a plan holds one
+persistent request (``MPI_Allreduce_init`` ...); calls the node engine
+takes go there, as the plain call's do. Operations made of steps (the
+uneven all-to-all and ``scatter``, which exchange a header first) run their
+steps at each call.
+
+A plan lives until :meth:`Plan.free` (or the end of its ``with`` block); a
+freed plan, or one whose group was destroyed, raises when used.
+
+Examples
+--------
+>>> import numpy as np, ferrompi as fm
+>>> def loop(b):
+...     x = np.zeros(3)
+...     with fm.allreduce_init(x, b) as step:
+...         for i in range(3):
+...             x[:] = i + b.rank            # refill the planned input in place
+...             total = step()
+...     return total.tolist()
+>>> fm.SimulatedBackend.run(2, loop)
+[[5.0, 5.0, 5.0], [5.0, 5.0, 5.0]]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _shm
+from ._arrays import kind_of, numpy_view
+from ._call import STEPS, Planning, _conclude, _on_node, run
+from ._progress import PendingCollective, complete, one_pending, timeout_seconds
+from ._status_board import DONE, OPCODE, OPS
+from .collectives import all_gather, all_to_all, allreduce, barrier, broadcast, reduce_scatter
+from .errors import FerrompiError, InvalidArgument
+from .objects import all_gather_object
+from .p2p import irecv, send, sendrecv
+from .rooted import gather, reduce, scatter
+from .typing import Timeout
+from .uneven import all_to_all_single_uneven
+
+__all__ = [
+    "Plan",
+    "allreduce_init",
+    "broadcast_init",
+    "all_gather_init",
+    "reduce_scatter_init",
+    "all_to_all_init",
+    "all_to_all_single_uneven_init",
+    "reduce_init",
+    "gather_init",
+    "scatter_init",
+    "barrier_init",
+    "send_init",
+    "recv_init",
+    "sendrecv_init",
+]
+
+#: Operations whose ranks pass arrays of one shape (the others: their own sizes).
+_SAME_SHAPE = frozenset(
+    OPCODE[name]
+    for name in ("allreduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce")
+)
+
+
+def _arrays_of(post_args) -> list[np.ndarray]:
+    """The numpy arrays among MPI's buffer arguments (``[buf, count, type]`` lists too)."""
+    found = []
+    for a in post_args:
+        if isinstance(a, np.ndarray):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(b for b in a if isinstance(b, np.ndarray))
+    return found
+
+
+def _host_view(x, op: str) -> np.ndarray:
+    """The host memory of ``x`` a plan reads at every call (numpy, or a CPU torch tensor)."""
+    kind = kind_of(x)
+    if not kind.on_host:
+        raise InvalidArgument(
+            f"{op}: a plan of a device array is not supported; call {op.removesuffix('_init')} "
+            "itself, which stages device arrays at each call"
+        )
+    view = numpy_view(x.detach(), op) if type(x).__module__.startswith("torch") else x
+    if not isinstance(view, np.ndarray):
+        raise InvalidArgument(
+            f"{op}: a plan reads its input at every call, so the input must be an array "
+            f"(numpy, or a CPU torch tensor), not a {type(x).__name__}"
+        )
+    return view
+
+
+class Plan:
+    """A planned call: :meth:`start` / call it, refill its input in place, :meth:`free` it.
+
+    Made by the ``*_init`` functions (:func:`allreduce_init` ...), collectively
+    over the group for a collective. Not thread-safe: one call at a time.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_args",
+        "_backend",
+        "_freed",
+        "_node",
+        "_opcode",
+        "_parts",
+        "_prepare",
+        "_req",
+        "_seconds",
+        "_stage",
+        "_state",
+        "_x",
+        "op_name",
+    )
+
+    def __init__(self, planning: Planning, name: str, x) -> None:
+        backend, opcode, _blocking, prepare, args = planning.parts
+        state = backend._state
+        self.op_name = name
+        self._backend, self._state, self._opcode = backend, state, opcode
+        self._prepare, self._args = prepare, args
+        self._seconds = seconds = (
+            backend._timeout if planning.timeout is None else timeout_seconds(planning.timeout)
+        )
+        self._freed = True  # until planned
+        local = parts = init = None
+        try:
+            self._x = None if x is None else _host_view(x, name)
+            parts = prepare(state, seconds, args)
+            self._stage = self._staging(parts)
+            init = _persistent_init(state.comm, parts)
+        except FerrompiError as exc:  # told to the other ranks in the agreement below
+            local = exc
+        persist = init is not None
+        if _collective(opcode):  # every rank agrees, or every rank raises
+            persist = self._agree(local, None if parts is None else parts[0], persist)
+        if local is not None:
+            raise local
+        route, post_args = parts[1], parts[3]
+        self._parts = parts
+        self._req = None
+        if persist:  # a persistent collective on every rank or on none: MPI matches them
+            self._req = init(*post_args)
+            state.plans.add(self)  # destroy_process_group releases the request
+        self._node = (
+            route is not None
+            and isinstance(route[1], np.ndarray)
+            and route[1].nbytes >= _shm.LIMITS[_shm.LOWEST[route[0]]]
+        )
+        self._freed = False
+
+    def _staging(self, parts: tuple) -> np.ndarray | None:
+        """The buffer the call copied the input into (sent from there), to refill at
+        every call; None when MPI reads the input itself."""
+        post_args, wait = parts[3], parts[7]
+        if self._x is None or wait is STEPS:
+            return None
+        buffers = _arrays_of(post_args)
+        if any(np.shares_memory(b, self._x) for b in buffers):
+            return None
+        copies = [b for b in buffers if b.dtype == self._x.dtype and b.size == self._x.size]
+        if not copies:
+            raise InvalidArgument(
+                f"{self.op_name}: the call converts its input (dtype {self._x.dtype}) before "
+                "sending it, which a plan cannot repeat; plan an array of a dtype MPI sends "
+                "as it is"
+            )
+        return copies[0].reshape(self._x.shape)  # send buffers come first
+
+    def _agree(self, local: BaseException | None, begin, persistent: bool) -> bool:
+        """Check, collectively, that the ranks planned calls that fit together; whether
+        every rank can make the call a persistent request."""
+        mine = {"error": f"{type(local).__name__}: {local}"} if local is not None else begin
+        theirs: list[Any] = [None] * self._backend.world_size
+        all_gather_object(theirs, (mine, persistent), self._backend, timeout=self._seconds)
+        every = all(p for _, p in theirs)
+        theirs = [d for d, _ in theirs]
+        failed = [(r, d["error"]) for r, d in enumerate(theirs) if isinstance(d, dict)]
+        if failed:
+            if local is not None:
+                return False  # this rank raises its own error
+            raise InvalidArgument(
+                f"{self.op_name}: rank {failed[0][0]} could not plan its call: {failed[0][1]}"
+            )
+        # a call's begin: (peer, shape, dtype, reduction, root); a scatter's non-source
+        # ranks know neither shape nor dtype (None)
+        fields = [(4, "root"), (2, "dtype"), (3, "reduction")]
+        if self._opcode in _SAME_SHAPE:
+            fields.append((1, "shape"))
+        for i, what in fields:
+            known = [(r, d[i]) for r, d in enumerate(theirs) if d[i] is not None or i == 3]
+            odd = next(((r, v) for r, v in known if v != known[0][1]), None)
+            if odd is not None:
+                (first, value), (rank, other) = known[0], odd
+                raise InvalidArgument(
+                    f"{self.op_name}: the ranks planned calls that do not fit together: "
+                    f"{what} {value!r} on rank {first} but {other!r} on rank {rank}"
+                )
+        return every
+
+    def _live(self) -> None:
+        if self._freed:
+            raise InvalidArgument(f"{self.op_name}: this plan was freed")
+        if self._state.destroyed:
+            raise InvalidArgument(
+                f"{self.op_name}: the plan's group was destroyed (destroy_process_group); plan "
+                "again on a live group"
+            )
+
+    def _refill(self, x) -> None:
+        new = np.asarray(_host_view(x, self.op_name))
+        if new.shape != self._x.shape or new.dtype != self._x.dtype:
+            raise InvalidArgument(
+                f"{self.op_name}: the plan was made for shape {self._x.shape} and dtype "
+                f"{self._x.dtype}, not shape {new.shape} and dtype {new.dtype}; make a new plan"
+            )
+        if new is not self._x:
+            self._x[...] = new
+
+    def __call__(self, x=None):
+        """Run the planned call (start and wait); return its output (``out`` when given).
+
+        ``x``, if given, is copied into the planned input first (same shape and dtype).
+        """
+        self._live()
+        if x is not None:
+            self._refill(x)
+        if self._stage is not None:
+            self._stage[...] = self._x
+        state, opcode, seconds = self._state, self._opcode, self._seconds
+        begin, route, post, post_args, result, finish, keep, wait = self._parts
+        if wait is STEPS:
+            return run(self._backend, opcode, seconds, True, self._prepare, self._args)
+        if self._node and _on_node(self._backend, opcode, begin, route, seconds):
+            if finish is not None:
+                finish(result, keep)
+            state.end(DONE)
+            return result
+        seq = state.begin(opcode, begin, seconds)
+        req = self._req
+        if req is None:
+            req = post(*post_args)
+        else:
+            req.Start()
+        if wait is None:
+            return complete(state, opcode, seq, req, result, finish, keep, seconds)
+        return _conclude(state, opcode, seconds, True, seq, req, result, finish, keep, wait)
+
+    def start(self, x=None):
+        """Start the planned call; returns the same pending operation as the async form."""
+        self._live()
+        if x is not None:
+            self._refill(x)
+        if self._stage is not None:
+            self._stage[...] = self._x
+        state, opcode, seconds = self._state, self._opcode, self._seconds
+        begin, _route, post, post_args, result, finish, keep, wait = self._parts
+        if wait is STEPS:
+            return run(self._backend, opcode, seconds, False, self._prepare, self._args)
+        seq = state.begin(opcode, begin, seconds)
+        req = self._req
+        if req is None:
+            req = post(*post_args)
+        else:
+            req.Start()
+        if wait is None:
+            return PendingCollective(state, opcode, seq, (req,), result, finish, seconds, keep=keep)
+        peer, status, expected = wait
+        return one_pending(
+            state, opcode, seq, req, result, finish, keep, seconds, peer, status, expected
+        )
+
+    def free(self) -> None:
+        """Release the plan (its persistent request). Freeing twice raises."""
+        if self._freed:
+            raise InvalidArgument(f"{self.op_name}: this plan was already freed")
+        self._freed = True
+        self.release_request()
+
+    def release_request(self) -> None:
+        """Free the persistent request, if any (also done when the group is destroyed)."""
+        if self._req is not None:
+            self._req.Free()
+            self._req = None
+            self._state.plans.discard(self)
+
+    def __enter__(self) -> Plan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._freed:
+            self.free()
+
+    def __repr__(self) -> str:
+        return f"<Plan {self.op_name} {'freed' if self._freed else 'live'}>"
+
+
+def _persistent_init(comm, parts: tuple):
+    """MPI-4's persistent form of the call's ``I...`` request (``Iallreduce`` ->
+    ``comm.Allreduce_init``), or None: a call of steps, or an MPI without it."""
+    post, wait = parts[2], parts[7]
+    name = getattr(post, "__name__", "")
+    if wait is STEPS or not name.startswith("I") or getattr(post, "__self__", None) is not comm:
+        return None
+    return getattr(comm, name[1:2].upper() + name[2:] + "_init", None)
+
+
+def _collective(opcode: int) -> bool:
+    return OPS[opcode] not in ("send", "isend", "irecv", "recv", "recv_into", "sendrecv")
+
+
+def _planner(call: Callable, name: str, reads_input: bool = True) -> Callable[..., Plan]:
+    """``call``'s plan maker ``name``: the same arguments (no ``async_op``), a :class:`Plan`."""
+
+    @functools.wraps(call)
+    def plan(*args, timeout: Timeout = None, **kwargs) -> Plan:
+        if kwargs.get("async_op"):
+            raise InvalidArgument(f"{name}: a plan is started with .start(); no async_op=")
+        planning = Planning(timeout)
+        if call(*args, timeout=planning, **kwargs) is not planning:
+            raise InvalidArgument(f"{name}: these arguments make no call to plan")
+        x = (args[0] if args else kwargs.get("x")) if reads_input else None
+        return Plan(planning, name, x)
+
+    plan.__name__ = plan.__qualname__ = name
+    plan.__doc__ = (
+        f"Plan :func:`~ferrompi.{call.__name__}`: the same arguments, checked once; "
+        f"returns a :class:`Plan` (call it, or ``.start()`` it, at every step).\n\n"
+        "Collective over the group when the call is; see :mod:`ferrompi.plans`.\n"
+    )
+    return plan
+
+
+allreduce_init = _planner(allreduce, "allreduce_init")
+broadcast_init = _planner(broadcast, "broadcast_init")
+all_gather_init = _planner(all_gather, "all_gather_init")
+reduce_scatter_init = _planner(reduce_scatter, "reduce_scatter_init")
+all_to_all_init = _planner(all_to_all, "all_to_all_init")
+all_to_all_single_uneven_init = _planner(all_to_all_single_uneven, "all_to_all_single_uneven_init")
+reduce_init = _planner(reduce, "reduce_init")
+gather_init = _planner(gather, "gather_init")
+scatter_init = _planner(scatter, "scatter_init")
+barrier_init = _planner(barrier, "barrier_init", reads_input=False)
+send_init = _planner(send, "send_init")
+recv_init = _planner(irecv, "recv_init", reads_input=False)
+sendrecv_init = _planner(sendrecv, "sendrecv_init")

@@ -1,0 +1,170 @@
+"""Persistent plans (``fm.*_init``): each planned call against the plain call, bad use,
+and a timeout inside a planned loop.
+
+On the ``group`` fixture: simulated groups of 1-4 ranks in plain pytest, the
+MPI world under ``mpiexec -n N python -m pytest --with-mpi`` (where the plans
+hold MPI-4 persistent requests).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import ferrompi as fm
+
+
+def _data(rank: int, step: int, shape=(5,)) -> np.ndarray:
+    return np.arange(np.prod(shape), dtype=np.float64).reshape(shape) * (rank + 1) + step
+
+
+def _every_plan_equals_its_call(b):
+    """Three steps of each plan, its input refilled in place, against the plain call."""
+    n, r = b.world_size, b.rank
+    checked = []
+
+    def steps(plan, x, call, shape=None):
+        for step in range(3):
+            x[...] = _data(r, step, x.shape)
+            want = call(x.copy())  # first: an in-place plan overwrites x
+            got = plan()
+            if got is None or want is None:
+                assert got is None and want is None
+            else:
+                np.testing.assert_array_equal(got, want)
+        plan.free()
+        checked.append(plan.op_name)
+
+    x = np.empty(6)
+    steps(fm.allreduce_init(x, b), x, lambda v: fm.allreduce(v, b))
+    y, out = np.empty(6), np.empty(6)
+    plan = fm.allreduce_init(y, b, fm.ReduceOp.MEAN, out=out)
+    assert plan() is out
+    steps(plan, y, lambda v: fm.allreduce(v, b, fm.ReduceOp.MEAN))
+    z = np.empty(4)
+    steps(fm.allreduce_init(z, b, out=z), z, lambda v: fm.allreduce(v, b, out=v))  # in place
+    x = np.empty((2, 3))
+    steps(fm.broadcast_init(x, b, n - 1), x, lambda v: fm.broadcast(v, b, n - 1))
+    steps(fm.all_gather_init(x, b), x, lambda v: fm.all_gather(v, b))
+    x = np.empty((2 * n, 3))
+    steps(fm.reduce_scatter_init(x, b), x, lambda v: fm.reduce_scatter(v, b))
+    steps(fm.all_to_all_init(x, b), x, lambda v: fm.all_to_all(v, b))
+    steps(fm.reduce_init(x, b, dst=0), x, lambda v: fm.reduce(v, b, dst=0))
+    steps(fm.gather_init(x, b, dst=n - 1), x, lambda v: fm.gather(v, b, dst=n - 1))
+    rows = np.empty((n, 4)) if r == 0 else None
+    plan = fm.scatter_init(rows, b, src=0)
+    for step in range(3):
+        if r == 0:
+            rows[...] = _data(0, step, rows.shape)
+        np.testing.assert_array_equal(plan(), _data(0, step, (n, 4))[r : r + 1])
+    plan.free()
+    sends = [(r + j) % 3 for j in range(n)]
+    recvs = [(j + r) % 3 for j in range(n)]
+    x = np.empty(sum(sends))
+    steps(
+        fm.all_to_all_single_uneven_init(x, sends, recvs, b),
+        x,
+        lambda v: fm.all_to_all_single_uneven(v, sends, recvs, b),
+    )
+    with fm.barrier_init(b) as plan:
+        assert plan() is None and plan() is None
+    x = _data(r, 0, (4,))
+    with fm.allreduce_init(x, b) as plan:
+        pending = plan.start()
+        np.testing.assert_array_equal(pending.wait(), fm.allreduce(x, b))
+    return checked
+
+
+def test_every_plan_equals_its_call(group):
+    checked = group.run(_every_plan_equals_its_call)[0]
+    assert len(checked) == 10, checked  # and scatter, barrier, start()
+
+
+def _messages(b):
+    n, r = b.world_size, b.rank
+    if n == 1:
+        return  # a rank sends to no one but itself, which sendrecv refuses
+    right, left = (r + 1) % n, (r - 1) % n
+    x, got = np.empty(4), np.empty(4)
+    with fm.sendrecv_init(x, (4,), right, b, source=left, out=got) as ring:
+        for step in range(3):
+            x[...] = _data(r, step, (4,))
+            assert ring() is got
+            np.testing.assert_array_equal(got, _data(left, step, (4,)))
+    if r == 0:
+        x = np.empty(3)
+        with fm.send_init(x, 1, b, tag=5) as send:
+            for step in range(3):
+                x[...] = step
+                send()
+    elif r == 1:
+        got = np.empty(3)
+        with fm.recv_init((3,), 0, b, np.float64, tag=5, out=got) as recv:
+            for step in range(3):
+                assert recv() is got
+                assert got.tolist() == [step] * 3
+
+
+def test_planned_messages(group):
+    group.run(_messages)
+
+
+def _bad_use(b):
+    n, r = b.world_size, b.rank
+    x = np.ones(3)
+    plan = fm.allreduce_init(x, b)
+    with pytest.raises(fm.InvalidArgument, match=r"shape \(3,\) and dtype float64, not shape"):
+        plan(np.ones(4))
+    with pytest.raises(fm.InvalidArgument, match="float32"):
+        plan(np.ones(3, np.float32))
+    np.testing.assert_array_equal(plan(np.full(3, 2.0)), np.full(3, 2.0 * n))  # a new array
+    plan.free()
+    with pytest.raises(fm.InvalidArgument, match="freed"):
+        plan()
+    with pytest.raises(fm.InvalidArgument, match="already freed"):
+        plan.free()
+    with pytest.raises(fm.InvalidArgument, match="async_op"):
+        fm.allreduce_init(x, b, async_op=True)
+    with pytest.raises(fm.UnsupportedOp, match="BAND"):  # the call's own checks, once
+        fm.allreduce_init(x, b, fm.ReduceOp.BAND)
+    if n > 1:  # the ranks' plans must fit together: every rank raises, naming the odd one
+        with pytest.raises(fm.InvalidArgument, match=r"shape \(3,\) on rank 0 but \(4,\) on rank"):
+            fm.allreduce_init(np.ones(3 if r == 0 else 4), b)
+        with pytest.raises(fm.InvalidArgument, match="root 0 on rank 0 but 1 on rank 1"):
+            fm.broadcast_init(x, b, 0 if r == 0 else 1)
+        with pytest.raises((fm.InvalidArgument, fm.UnsupportedOp), match="BAND"):
+            fm.allreduce_init(x, b, fm.ReduceOp.BAND if r == n - 1 else fm.ReduceOp.SUM)
+    sub = b.split(0) if hasattr(b, "split") else None
+    if sub is not None:
+        plan = fm.allreduce_init(np.ones(2), sub)
+        fm.destroy_process_group(sub)
+        with pytest.raises(fm.InvalidArgument, match="destroyed"):
+            plan()
+    np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, float(n)))
+
+
+def test_bad_use_of_plans_raises_clearly(group):
+    group.run(_bad_use)
+
+
+def _late_rank_in_a_planned_loop(b):
+    n, r = b.world_size, b.rank
+    late = n - 1
+    x = np.ones(4)
+    plan = fm.allreduce_init(x, b, timeout=0.5)
+    plan()
+    if r == late:
+        time.sleep(1.5)
+        plan.free()
+        return
+    with pytest.raises(fm.CollectiveTimeout) as info:
+        plan()
+    plan.free()
+    assert info.value.missing == (late,)
+    assert f"rank {late} has not reached allreduce" in str(info.value)
+
+
+def test_a_timeout_in_a_planned_loop_names_the_missing_rank(multigroup):
+    multigroup.run(_late_rank_in_a_planned_loop)
