@@ -40,19 +40,31 @@ Examples
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _shm
 from ._arrays import kind_of, numpy_view
-from ._call import STEPS, Planning, _conclude, _on_node, run
+from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
 from ._progress import PendingCollective, complete, one_pending, timeout_seconds
 from ._status_board import DONE, OPCODE, OPS
-from .collectives import all_gather, all_to_all, allreduce, barrier, broadcast, reduce_scatter
+from .backend import Backend
+from .collectives import (
+    _targets,
+    _unpack,
+    all_gather,
+    all_to_all,
+    allreduce,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
 from .errors import FerrompiError, InvalidArgument
 from .objects import all_gather_object
+from .ops import ReduceOp
 from .p2p import irecv, send, sendrecv
 from .rooted import gather, reduce, scatter
 from .typing import Timeout
@@ -60,6 +72,8 @@ from .uneven import all_to_all_single_uneven
 
 __all__ = [
     "Plan",
+    "CoalescedPlan",
+    "allreduce_coalesced_init",
     "allreduce_init",
     "broadcast_init",
     "all_gather_init",
@@ -314,6 +328,145 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"<Plan {self.op_name} {'freed' if self._freed else 'live'}>"
+
+
+class CoalescedPlan:
+    """A planned :func:`~ferrompi.allreduce_coalesced`: one planned allreduce of a fused
+    buffer per dtype; each call packs the arrays (one ``numpy.concatenate`` per dtype,
+    no checks), reduces, and unpacks. Made by :func:`allreduce_coalesced_init`."""
+
+    op_name = "allreduce_coalesced_init"
+
+    def __init__(self, arrays, backend, op, group, out, timeout: Timeout) -> None:
+        name = self.op_name
+        backend = group_of(backend, group, "allreduce_coalesced")
+        local, signature = None, None
+        try:
+            if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
+                raise InvalidArgument(f"{name}: arrays must be a list or tuple of arrays")
+            xs = [np.asarray(_host_view(a, name)) for a in arrays]
+            groups: dict = {}
+            for i, x in enumerate(xs):
+                groups.setdefault(x.dtype, []).append(i)
+            if out is None:
+                targets, sinks, direct = None, None, False
+            elif isinstance(out, np.ndarray) or len(out) != len(xs):
+                raise InvalidArgument(
+                    f"{name}: out must be a sequence of {len(xs)} arrays, one per input"
+                )
+            else:
+                targets, sinks, direct = _targets(out, xs, name)
+            signature = [(d.str, sum(xs[i].size for i in m)) for d, m in groups.items()]
+        except FerrompiError as exc:
+            local = exc
+        theirs: list[Any] = [None] * backend.world_size
+        mine = signature if local is None else f"{type(local).__name__}: {local}"
+        seconds = backend._timeout if timeout is None else timeout_seconds(timeout)
+        all_gather_object(theirs, mine, backend, timeout=seconds)
+        if local is not None:
+            raise local
+        for r, sig in enumerate(theirs):
+            if isinstance(sig, str):
+                raise InvalidArgument(f"{name}: rank {r} could not plan its call: {sig}")
+            if sig != signature:
+                raise InvalidArgument(
+                    f"{name}: the ranks planned calls that do not fit together: (dtype, "
+                    f"elements) per fused buffer {signature} on rank {backend.rank} but "
+                    f"{sig} on rank {r}"
+                )
+        self._xs, self._targets, self._sinks, self._direct = xs, targets, sinks, direct
+        self._fused, self._plans, self._results = [], [], [None] * len(xs)
+        for (_, total), members in zip(signature, groups.values(), strict=True):
+            fused = np.empty(total, xs[members[0]].dtype)
+            parts = [xs[i] for i in members]
+            ends = list(itertools.accumulate(x.size for x in parts))
+            self._fused.append((fused, parts, ends, members))
+            self._plans.append(allreduce_init(fused, backend, op, out=fused, timeout=timeout))
+            for i, x, end in zip(members, parts, ends, strict=True):
+                self._results[i] = fused[end - x.size : end].reshape(x.shape)
+
+    def _pack(self) -> None:
+        for fused, parts, _, _ in self._fused:
+            np.concatenate(parts, axis=None, out=fused)
+
+    def _unpack(self) -> list:
+        if self._targets is None:
+            return self._results  # views of the fused buffers
+        for fused, parts, ends, members in self._fused:
+            targets = [self._targets[i] for i in members]
+            sinks = [self._sinks[i] for i in members]
+            _unpack(fused, parts, ends, targets, sinks, self._direct)
+        return self._targets
+
+    def __call__(self) -> list:
+        """Pack, reduce and unpack; returns the outputs (``out`` when given, else views
+        of the fused buffers, the same arrays at every call)."""
+        self._pack()
+        for plan in self._plans:
+            plan()
+        return self._unpack()
+
+    def start(self) -> _CoalescedPending:
+        """Pack and start the reductions; ``.wait()`` unpacks and returns the outputs."""
+        self._pack()
+        return _CoalescedPending(self, [plan.start() for plan in self._plans])
+
+    def free(self) -> None:
+        """Release the plans of the fused buffers. Freeing twice raises."""
+        if not self._plans:
+            raise InvalidArgument(f"{self.op_name}: this plan was already freed")
+        plans, self._plans = self._plans, []
+        for plan in plans:
+            plan.free()
+
+    def __enter__(self) -> CoalescedPlan:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._plans:
+            self.free()
+
+
+class _CoalescedPending:
+    """The started :class:`CoalescedPlan`: ``wait()`` completes, unpacks, returns."""
+
+    __slots__ = ("_pendings", "_plan")
+
+    def __init__(self, plan: CoalescedPlan, pendings: list) -> None:
+        self._plan, self._pendings = plan, pendings
+
+    def wait(self) -> list:
+        for pending in self._pendings:
+            pending.wait()
+        return self._plan._unpack()
+
+
+def allreduce_coalesced_init(
+    arrays,
+    backend: Backend | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    *,
+    group: Backend | None = None,
+    out=None,
+    timeout: Timeout = None,
+) -> CoalescedPlan:
+    """Plan :func:`~ferrompi.allreduce_coalesced`: the same arguments, checked once.
+
+    Collective over the group. Returns a :class:`CoalescedPlan`: call it at
+    every step, after refilling the arrays in place.
+
+    Examples
+    --------
+    >>> import numpy as np, ferrompi as fm
+    >>> def f(b):
+    ...     grads = [np.ones(2), np.arange(3.0)]
+    ...     with fm.allreduce_coalesced_init(grads, b) as reduce:
+    ...         grads[1][:] = b.rank
+    ...         return [g.tolist() for g in reduce()]
+    >>> fm.SimulatedBackend.run(2, f)[1]
+    [[2.0, 2.0], [1.0, 1.0, 1.0]]
+    """
+    return CoalescedPlan(arrays, backend, op, group, out, timeout)
 
 
 def _persistent_init(comm, parts: tuple):

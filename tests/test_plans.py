@@ -82,6 +82,37 @@ def test_every_plan_equals_its_call(group):
     assert len(checked) == 10, checked  # and scatter, barrier, start()
 
 
+def _coalesced(b):
+    n, r = b.world_size, b.rank
+    arrays = [np.empty(3), np.empty((2, 2), np.float32), np.empty(5), np.empty(0)]
+    outs = [np.empty_like(a) for a in arrays]
+    with (
+        fm.allreduce_coalesced_init(arrays, b) as views,
+        fm.allreduce_coalesced_init(arrays, b, fm.ReduceOp.MAX, out=outs) as into,
+    ):
+        for step in range(3):
+            for a in arrays:
+                a[...] = _data(r, step, a.shape)
+            want_sum = fm.allreduce_coalesced([a.copy() for a in arrays], b)
+            want_max = fm.allreduce_coalesced([a.copy() for a in arrays], b, fm.ReduceOp.MAX)
+            for got, want in zip(views(), want_sum, strict=True):
+                np.testing.assert_array_equal(got, want)
+            assert all(got is o for got, o in zip(into(), outs, strict=True))
+            for got, want in zip(outs, want_max, strict=True):
+                np.testing.assert_array_equal(got, want)
+            for got, want in zip(views.start().wait(), want_sum, strict=True):
+                np.testing.assert_array_equal(got, want)
+    if n > 1:
+        with pytest.raises(fm.InvalidArgument, match="do not fit together"):
+            fm.allreduce_coalesced_init([np.ones(2 if r == 0 else 3)], b)
+    with pytest.raises(fm.InvalidArgument, match="already freed"):
+        views.free()
+
+
+def test_planned_allreduce_coalesced(group):
+    group.run(_coalesced)
+
+
 def _messages(b):
     n, r = b.world_size, b.rank
     if n == 1:
