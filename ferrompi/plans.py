@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ import numpy as np
 from . import _shm
 from ._arrays import kind_of, numpy_view
 from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
+from ._mpi import MPI
 from ._progress import PendingCollective, complete, one_pending, timeout_seconds
 from ._status_board import DONE, OPCODE, OPS
 from .backend import Backend
@@ -135,6 +137,7 @@ class Plan:
         "__weakref__",
         "_args",
         "_backend",
+        "_finalizer",
         "_freed",
         "_node",
         "_opcode",
@@ -177,6 +180,8 @@ class Plan:
         if persist:  # a persistent collective on every rank or on none: MPI matches them
             self._req = init(*post_args)
             state.plans.add(self)  # destroy_process_group releases the request
+            # a plan dropped without free(): its request freed when it is collected
+            self._finalizer = weakref.finalize(self, _free_request, self._req)
         self._node = (
             route is not None
             and isinstance(route[1], np.ndarray)
@@ -315,7 +320,7 @@ class Plan:
     def release_request(self) -> None:
         """Free the persistent request, if any (also done when the group is destroyed)."""
         if self._req is not None:
-            self._req.Free()
+            self._finalizer()
             self._req = None
             self._state.plans.discard(self)
 
@@ -467,6 +472,12 @@ def allreduce_coalesced_init(
     [[2.0, 2.0], [1.0, 1.0, 1.0]]
     """
     return CoalescedPlan(arrays, backend, op, group, out, timeout)
+
+
+def _free_request(req) -> None:
+    """Free a plan's persistent request, unless MPI has already ended (interpreter exit)."""
+    if not MPI.Is_finalized():
+        req.Free()
 
 
 def _persistent_init(comm, parts: tuple):

@@ -8,7 +8,9 @@
   first), into buckets of at most ``bucket_cap_mb`` MiB of one dtype, each a
   flat buffer;
 * :meth:`start` copies a gradient into its bucket as soon as backward has it;
-  a full bucket starts a non-blocking allreduce (MEAN) at once, while the
+  a full bucket starts its planned allreduce (MEAN; :mod:`ferrompi.plans`,
+  made at the bucket's first launch, so later steps skip the argument
+  checks) at once, non-blocking, while the
   caller's backward computes the earlier layers; buckets start strictly in
   bucket order (as in torch), so every rank issues the same sequence of
   collectives whatever order its gradients arrive in; each :meth:`start`
@@ -45,17 +47,19 @@ from .. import collectives
 from ..backend import Backend
 from ..errors import InvalidArgument
 from ..ops import ReduceOp
+from ..plans import allreduce_init
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
 
 class _Bucket:
-    __slots__ = ("buffer", "dtype", "names", "ready", "work")
+    __slots__ = ("buffer", "dtype", "names", "plan", "ready", "work")
 
     def __init__(self, names: list[str], size: int, dtype: np.dtype) -> None:
         self.names = names
         self.dtype = dtype
         self.buffer = np.zeros(size, dtype)
+        self.plan = None  # its planned allreduce (MEAN, in place), from its first launch
         self.work = None
         self.ready: set[str] = set()
 
@@ -195,9 +199,11 @@ class DistributedDataParallel:
             other.work.is_completed()
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.work = collectives.async_allreduce(
-            bucket.buffer, self.backend, ReduceOp.MEAN, out=bucket.buffer
-        )
+        if bucket.plan is None:  # every rank launches the buckets in the same order
+            bucket.plan = allreduce_init(
+                bucket.buffer, self.backend, ReduceOp.MEAN, out=bucket.buffer
+            )
+        bucket.work = bucket.plan.start()
         self._next += 1
 
     def finish(self) -> dict[str, np.ndarray]:
