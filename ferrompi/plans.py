@@ -51,8 +51,8 @@ from . import _shm
 from ._arrays import kind_of, numpy_view
 from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
 from ._mpi import MPI
-from ._progress import PendingCollective, complete, one_pending, timeout_seconds
-from ._status_board import DONE, OPCODE, OPS
+from ._progress import PendingCollective, complete, mpi_error, one_pending, timeout_seconds
+from ._status_board import DONE, FAILED, OPCODE, OPS
 from .backend import Backend
 from .collectives import (
     _targets,
@@ -257,16 +257,33 @@ class Plan:
         if new is not self._x:
             self._x[...] = new
 
-    def __call__(self, x=None):
-        """Run the planned call (start and wait); return its output (``out`` when given).
-
-        ``x``, if given, is copied into the planned input first (same shape and dtype).
-        """
+    def _prologue(self, x) -> None:
+        """Every call's checks: the plan is live; a new input copied in; the input staged."""
         self._live()
         if x is not None:
             self._refill(x)
         if self._stage is not None:
             self._stage[...] = self._x
+
+    def _begin(self, begin, post, post_args) -> tuple:
+        """The operation's record and flight entry, then its request started: ``(seq, req)``."""
+        state = self._state
+        seq = state.begin(self._opcode, begin, self._seconds)
+        try:
+            if self._req is None:
+                return seq, post(*post_args)
+            self._req.Start()
+        except MPI.Exception as exc:
+            state.end(FAILED)
+            raise mpi_error(OPS[self._opcode], exc) from None
+        return seq, self._req
+
+    def __call__(self, x=None):
+        """Run the planned call (start and wait); return its output (``out`` when given).
+
+        ``x``, if given, is copied into the planned input first (same shape and dtype).
+        """
+        self._prologue(x)
         state, opcode, seconds = self._state, self._opcode, self._seconds
         begin, route, post, post_args, result, finish, keep, wait = self._parts
         if wait is STEPS:
@@ -276,33 +293,19 @@ class Plan:
                 finish(result, keep)
             state.end(DONE)
             return result
-        seq = state.begin(opcode, begin, seconds)
-        req = self._req
-        if req is None:
-            req = post(*post_args)
-        else:
-            req.Start()
+        seq, req = self._begin(begin, post, post_args)
         if wait is None:
             return complete(state, opcode, seq, req, result, finish, keep, seconds)
         return _conclude(state, opcode, seconds, True, seq, req, result, finish, keep, wait)
 
     def start(self, x=None):
         """Start the planned call; returns the same pending operation as the async form."""
-        self._live()
-        if x is not None:
-            self._refill(x)
-        if self._stage is not None:
-            self._stage[...] = self._x
+        self._prologue(x)
         state, opcode, seconds = self._state, self._opcode, self._seconds
         begin, _route, post, post_args, result, finish, keep, wait = self._parts
         if wait is STEPS:
             return run(self._backend, opcode, seconds, False, self._prepare, self._args)
-        seq = state.begin(opcode, begin, seconds)
-        req = self._req
-        if req is None:
-            req = post(*post_args)
-        else:
-            req.Start()
+        seq, req = self._begin(begin, post, post_args)
         if wait is None:
             return PendingCollective(state, opcode, seq, (req,), result, finish, seconds, keep=keep)
         peer, status, expected = wait
@@ -474,10 +477,20 @@ def allreduce_coalesced_init(
     return CoalescedPlan(arrays, backend, op, group, out, timeout)
 
 
+#: Persistent requests still active when their plan was released (a call that timed
+#: out): MPI forbids freeing them, so they are kept, as the group is unusable anyway.
+_ABANDONED: list = []
+
+
 def _free_request(req) -> None:
-    """Free a plan's persistent request, unless MPI has already ended (interpreter exit)."""
-    if not MPI.Is_finalized():
+    """Free a plan's persistent request, unless MPI has already ended (interpreter exit)
+    or the request is still active (its call timed out: kept in :data:`_ABANDONED`)."""
+    if MPI.Is_finalized():
+        return
+    if req.Get_status():  # inactive (or complete): freeing is allowed
         req.Free()
+    else:
+        _ABANDONED.append(req)
 
 
 def _persistent_init(comm, parts: tuple):
