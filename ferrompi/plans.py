@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from . import _shm
-from ._arrays import kind_of, numpy_view
+from ._arrays import TORCH, kind_of, numpy_view
 from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
 from ._mpi import MPI
 from ._progress import PendingCollective, complete, mpi_error, one_pending, timeout_seconds
@@ -117,7 +117,7 @@ def _host_view(x, op: str) -> np.ndarray:
             f"{op}: a plan of a device array is not supported; call {op.removesuffix('_init')} "
             "itself, which stages device arrays at each call"
         )
-    view = numpy_view(x.detach(), op) if type(x).__module__.startswith("torch") else x
+    view = numpy_view(x.detach(), op) if kind is TORCH else x
     if not isinstance(view, np.ndarray):
         raise InvalidArgument(
             f"{op}: a plan reads its input at every call, so the input must be an array "
@@ -195,17 +195,17 @@ class Plan:
         post_args, wait = parts[3], parts[7]
         if self._x is None or wait is STEPS:
             return None
-        buffers = _arrays_of(post_args)
-        if any(np.shares_memory(b, self._x) for b in buffers):
+        buffers = _arrays_of(post_args)  # the send buffer first (the receive one in place)
+        if not buffers or np.shares_memory(buffers[0], self._x):
             return None
-        copies = [b for b in buffers if b.dtype == self._x.dtype and b.size == self._x.size]
-        if not copies:
+        send = buffers[0]
+        if send.dtype != self._x.dtype or send.size != self._x.size:
             raise InvalidArgument(
                 f"{self.op_name}: the call converts its input (dtype {self._x.dtype}) before "
                 "sending it, which a plan cannot repeat; plan an array of a dtype MPI sends "
                 "as it is"
             )
-        return copies[0].reshape(self._x.shape)  # send buffers come first
+        return send.reshape(self._x.shape)  # a copy (aliased out=, a strided input...)
 
     def _agree(self, local: BaseException | None, begin, persistent: bool) -> bool:
         """Check, collectively, that the ranks planned calls that fit together; whether

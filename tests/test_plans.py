@@ -113,6 +113,37 @@ def test_planned_allreduce_coalesced(group):
     group.run(_coalesced)
 
 
+def _copied_inputs(b):
+    """Inputs the call copies before sending (strided; aliased with out=): the plan
+    copies them again at every call, so refilling them in place still counts."""
+    n, r = b.world_size, b.rank
+    strided = np.zeros((4, 2))[:, 0]
+    with fm.allreduce_init(strided, b) as plan:
+        for step in range(2):
+            strided[:] = r + step
+            np.testing.assert_array_equal(plan(), np.full(4, n * (n - 1) / 2 + n * step))
+
+
+def test_a_plan_refills_the_copy_a_call_makes_of_its_input(group):
+    group.run(_copied_inputs)
+
+
+def _torch_in_place(b):
+    torch = pytest.importorskip("torch")
+    n, r = b.world_size, b.rank
+    t = torch.zeros(3)
+    with fm.allreduce_init(t, b, out=t) as plan:  # x and out alias: the call copies x
+        for step in range(2):
+            t[:] = r + step
+            assert plan() is t
+            assert t.tolist() == [n * (n - 1) / 2 + n * step] * 3
+
+
+def test_a_plan_of_a_torch_tensor_in_place(group):
+    pytest.importorskip("torch", reason="torch tensors (torch not installed)")
+    group.run(_torch_in_place)
+
+
 def _messages(b):
     n, r = b.world_size, b.rank
     if n == 1:
