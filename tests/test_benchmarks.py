@@ -125,7 +125,7 @@ def test_baseline_option_times_the_repository_against_itself(tmp_path):
     lines = output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("op "))
     names = lines[start].split()
-    medians = ["ferrompi", "baseline", "mpi4py"]
+    medians = ["ferrompi", "baseline", "mpi4py", "planned"]
     compared = ["ferrompi/mpi4py", "gloo/ferrompi", "ferrompi-mpi4py"]
     assert names == ["op", "size", *medians, *compared, "ferrompi/baseline", "ferrompi-baseline"]
     # cells are two or more spaces apart (a time is "12.3 us", one space inside)
