@@ -268,7 +268,7 @@ def _defer(work: FerrompiWork) -> FerrompiWork:
 def _drain() -> None:
     """Wait until the lane has run every collective handed to it (program order)."""
     last = _LANE[0].last if _LANE else None
-    if last is not None:
+    if last is not None and not last._settled.is_set():  # a flag read; wait() takes a lock
         last._settled.wait()
 
 
