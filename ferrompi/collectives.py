@@ -370,10 +370,6 @@ def allreduce_coalesced(
         targets = sinks = None
         direct = False
         if out is not None:
-            if isinstance(out, np.ndarray) or len(out) != len(xs):
-                raise InvalidArgument(
-                    f"{name}: out must be a sequence of {len(xs)} arrays, one per input"
-                )
             targets, sinks, direct = _targets(out, xs, name)
     except FerrompiError as exc:
         state.fail_before_start(OPCODE[name], str(exc))
@@ -419,14 +415,16 @@ def allreduce_coalesced(
 
 
 def _targets(out: Sequence, xs: list, name: str) -> tuple[list, list, bool]:
-    """The checked ``out`` arrays, for each a writable byte view when it has one,
-    and whether every one has.
+    """The checked ``out`` arrays (one per input), for each a writable byte view when
+    it has one, and whether every one has.
 
     A C-contiguous numpy target of the input's shape and dtype is checked
     through the ``memoryview`` that :func:`_unpack` then writes through (its
     ``readonly`` flag is the array's ``writeable``); the others go through
     :func:`check_out` and get None.
     """
+    if isinstance(out, np.ndarray) or len(out) != len(xs):
+        raise InvalidArgument(f"{name}: out must be a sequence of {len(xs)} arrays, one per input")
     targets, sinks, direct = [], [], True
     for o, x in zip(out, xs, strict=True):
         if type(o) is _ndarray and o.shape == x.shape and o.dtype == x.dtype:

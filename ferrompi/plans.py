@@ -358,10 +358,6 @@ class CoalescedPlan:
                 groups.setdefault(x.dtype, []).append(i)
             if out is None:
                 targets, sinks, direct = None, None, False
-            elif isinstance(out, np.ndarray) or len(out) != len(xs):
-                raise InvalidArgument(
-                    f"{name}: out must be a sequence of {len(xs)} arrays, one per input"
-                )
             else:
                 targets, sinks, direct = _targets(out, xs, name)
             signature = [(d.str, sum(xs[i].size for i in m)) for d, m in groups.items()]

@@ -107,6 +107,10 @@ def _coalesced(b):
             fm.allreduce_coalesced_init([np.ones(2 if r == 0 else 3)], b)
     with pytest.raises(fm.InvalidArgument, match="already freed"):
         views.free()
+    pair = [np.ones(2), np.ones(3)]
+    for call in (fm.allreduce_coalesced, fm.allreduce_coalesced_init):  # one check serves both
+        with pytest.raises(fm.InvalidArgument, match="out must be a sequence of 2 arrays"):
+            call(pair, b, out=[np.ones(2)])
 
 
 def test_planned_allreduce_coalesced(group):
