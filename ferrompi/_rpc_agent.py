@@ -29,13 +29,15 @@ from ._rpc_wire import (
     _FAILED,
     _FETCH,
     _OK,
+    _REFUSED,
     _RELEASE,
     _REMOTE,
     _REPLY,
     _TAG_ENVELOPE,
+    _allow,
+    _array_specs,
     _array_tag,
     _bytes_of,
-    _empty_arrays,
     _envelope,
     _open_envelope,
     _outcome_value,
@@ -43,7 +45,14 @@ from ._rpc_wire import (
     _tag_span,
     _unpack,
 )
-from .errors import InvalidArgument, InvalidRank, NoConnection, RpcError, RpcTimeout
+from .errors import (
+    InvalidArgument,
+    InvalidRank,
+    NoConnection,
+    RpcError,
+    RpcTimeout,
+    UnsafePayload,
+)
 from .typing import Timeout
 
 # Service-thread polling. For _SPIN seconds after its last activity (a
@@ -68,6 +77,9 @@ class WorkerInfo:
 
     name: str
     id: int
+
+
+_allow(WorkerInfo)  # travels in arguments and results
 
 
 # ---------------------------------------------------------------------------
@@ -141,6 +153,10 @@ class RpcFuture:
             The remote function raised; ``traceback_text`` is its traceback.
         FunctionNotFound
             The callee has no function registered under that name.
+        UnsafePayload
+            The callee refused the arguments, or this rank refused the
+            result: a class not registered with ``register_type``, or a
+            malformed message (``name`` is the refused global).
         RpcTimeout
             No reply before the call's deadline (or before ``timeout``).
         NoConnection
@@ -178,10 +194,12 @@ class _Transfer:
     """Messages in flight: requests to complete, the buffers they use, a deadline.
 
     For an incoming message, ``envelope`` is ``None`` until its envelope has
-    arrived; then ``arrays`` are the buffers its arrays are received into.
+    arrived; then ``specs`` are its arrays' checked dtypes, shapes and sizes,
+    ``arrays`` the buffers of those whose message has arrived, and
+    ``refusal`` why the message is refused, if it is.
     """
 
-    __slots__ = ("arrays", "buffer", "deadline", "envelope", "reqs", "source")
+    __slots__ = ("arrays", "buffer", "deadline", "envelope", "refusal", "reqs", "source", "specs")
 
     def __init__(self, reqs: list, buffer: Any, deadline: float, source: int = -1) -> None:
         self.reqs = reqs
@@ -189,7 +207,9 @@ class _Transfer:
         self.deadline = deadline
         self.source = source
         self.envelope: tuple | None = None
+        self.specs: list[tuple[np.dtype, tuple[int, ...], int]] = []
         self.arrays: list[np.ndarray] = []
+        self.refusal: UnsafePayload | None = None
 
 
 class _Agent:
@@ -214,6 +234,7 @@ class _Agent:
         self.handlers = 0  # requests queued or running on the workers
         self.requests_sent = 0
         self.requests_served = 0
+        self.refused = 0  # messages refused, unanswerable ones too (none ran anything)
         #: Counters of what this rank sent: envelopes, their bytes, arrays, their bytes.
         self.traffic = {"envelopes": 0, "envelope_bytes": 0, "arrays": 0, "array_bytes": 0}
         self.closed: str | None = None  # why, once closed
@@ -224,6 +245,7 @@ class _Agent:
         self.thread = threading.Thread(
             target=self._service, name=f"ferrompi-rpc-service-{self.rank}", daemon=True
         )
+        self.probe_status = MPI.Status()  # the service thread's, for the arrays' messages
 
     # -- addressing ---------------------------------------------------------
 
@@ -366,21 +388,18 @@ class _Agent:
         """Advance one incoming message; dispatch it once complete. True when done."""
         if not MPI.Request.Testall(transfer.reqs):
             return self._past_deadline(transfer)
-        if transfer.envelope is None:
-            transfer.envelope = envelope = _open_envelope(transfer.buffer)
-            kind, call_id, target, seconds, specs, _ = envelope
-            transfer.deadline = time.monotonic() + seconds
-            if kind == _REMOTE:
-                self._owned_entry(target[1])  # before any fetch of it is served
-            if specs:
-                transfer.arrays = _empty_arrays(specs)
-                tag = _array_tag(call_id, self.tag_span, kind == _REPLY)
-                source = transfer.source
-                transfer.reqs = [
-                    self.comm.Irecv(_bytes_of(a), source, tag) for a in transfer.arrays
-                ]
-                if not MPI.Request.Testall(transfer.reqs):
-                    return False
+        if transfer.envelope is None and not self._open(transfer):
+            return True  # refused
+        while transfer.refusal is None and len(transfer.arrays) < len(transfer.specs):
+            if not self._post_array(transfer):
+                break  # its message has not arrived yet
+        if not MPI.Request.Testall(transfer.reqs):
+            return self._past_deadline(transfer)
+        if transfer.refusal is not None:
+            self._refuse(transfer.source, transfer.envelope, transfer.refusal, arrived=True)
+            return True
+        if len(transfer.arrays) < len(transfer.specs):
+            return self._past_deadline(transfer)
         kind, call_id, target, seconds, _, body = transfer.envelope
         if kind == _REPLY:
             self._settle(transfer.source, call_id, target, body, transfer.arrays)
@@ -392,19 +411,113 @@ class _Agent:
             )
         return True
 
-    def _settle(self, source: int, call_id: int, status: int, body: bytes, arrays) -> None:
+    def _open(self, transfer: _Transfer) -> bool:
+        """Open and check the envelope of an incoming message; False if it was refused."""
+        try:
+            envelope = _open_envelope(transfer.buffer)
+        except UnsafePayload:  # no call id: nobody to answer
+            with self.lock:
+                self.refused += 1
+            return False
+        transfer.envelope = envelope
+        transfer.reqs = []
+        kind, _, target, seconds, _, _ = envelope
+        try:
+            transfer.specs = _array_specs(envelope)
+            if kind == _REMOTE and target[1][0] != transfer.source:
+                raise UnsafePayload(f"malformed RPC message: RRef id {target[1]} of another rank")
+        except UnsafePayload as exc:
+            self._refuse(transfer.source, envelope, exc, arrived=False)
+            return False
+        transfer.deadline = time.monotonic() + seconds
+        if kind == _REMOTE:
+            self._owned_entry(target[1])  # before any fetch of it is served
+        return True
+
+    def _post_array(self, transfer: _Transfer) -> bool:
+        """Receive the next array of a message once MPI has it; False while it has not arrived.
+
+        Its buffer is allocated only then, and only if the message has the
+        size the envelope announced; one of another size is received into
+        scratch bytes (what arrived, no more) and the message is refused.
+        """
+        kind, call_id = transfer.envelope[:2]
+        tag = _array_tag(call_id, self.tag_span, kind == _REPLY)
+        source, status = transfer.source, self.probe_status
+        if not self.comm.Iprobe(source, tag, status):
+            return False
+        size = status.Get_count(MPI.BYTE)
+        index = len(transfer.arrays)
+        dtype, shape, nbytes = transfer.specs[index]
+        if size == nbytes:
+            try:
+                arr = np.empty(shape, dtype)
+            except MemoryError:  # the message stays with MPI
+                transfer.refusal = UnsafePayload(
+                    f"rank {self.rank} cannot allocate array {index} ({nbytes} bytes) of a message"
+                )
+                return True
+        else:
+            transfer.refusal = UnsafePayload(
+                f"malformed RPC message: array {index} was announced as {nbytes} bytes "
+                f"({dtype}, shape {shape}), but {size} bytes arrived"
+            )
+            arr = np.empty(size, np.uint8)
+        transfer.arrays.append(arr)
+        transfer.reqs.append(self.comm.Irecv(_bytes_of(arr), source, tag))
+        return True
+
+    def _refuse(self, source: int, envelope: tuple, exc: UnsafePayload, arrived: bool) -> None:
+        """Answer a refused message: a request to its caller, a reply to the call waiting for it.
+
+        ``arrived``: its envelope was valid (for a ``remote``, the value's entry exists).
+        """
+        kind, call_id, target, seconds = envelope[:4]
         with self.lock:
-            future = self.pending.pop(call_id, None)
-        if future is None or future._abandoned:  # timed out: the late reply is dropped
+            self.refused += 1
+        if kind == _REPLY:
+            future = self._pending_call(source, call_id)
+            if future is not None:
+                text = f"the reply of rank {source} to {future._name!r} was refused on rank "
+                future._settle(error=UnsafePayload(f"{text}{self.rank}: {exc}", exc.name, source))
+            return
+        outcome = (_REFUSED, (exc.name, str(exc)))
+        if arrived and kind == _REMOTE:
+            entry = self._owned_entry(target[1])
+            if not entry.done():
+                entry.set_result(outcome)
+        if type(seconds) is not float or not seconds > 0:
+            seconds = self.timeout
+        self.reply(source, call_id, outcome, seconds)
+        with self.lock:
+            self.requests_served += 1
+
+    def _pending_call(self, source: int, call_id: int) -> RpcFuture | None:
+        """The call ``call_id`` waiting for a reply of ``source``, if it still waits.
+
+        A reply from another rank than the callee cannot settle the call.
+        """
+        with self.lock:
+            future = self.pending.get(call_id)
+            if future is None or future._to != source:
+                return None
+            del self.pending[call_id]
+        return None if future._abandoned else future  # timed out: the late reply is dropped
+
+    def _settle(self, source: int, call_id: int, status: int, body: bytes, arrays) -> None:
+        future = self._pending_call(source, call_id)
+        if future is None:
             return
         try:
-            future._settle(_outcome_value(status, _unpack(body, arrays), source))
+            payload = _unpack(body, arrays)
+        except UnsafePayload as exc:
+            text = f"the reply of rank {source} to {future._name!r} was refused on rank {self.rank}"
+            future._settle(error=UnsafePayload(f"{text}: {exc}", exc.name, source))
+            return
+        try:
+            future._settle(_outcome_value(status, payload, source))
         except RpcError as exc:
             future._settle(error=exc)
-        except Exception as exc:
-            error = RpcError(f"the reply of rank {source} to {future._name!r} cannot be unpickled")
-            error.__cause__ = exc
-            future._settle(error=error)
 
     # -- the workers --------------------------------------------------------------
 
@@ -412,13 +525,13 @@ class _Agent:
         _HANDLING.active = True
         try:
             if kind == _CALL:
-                outcome = _run_registered(target, body, arrays)
+                outcome = self._run(target, body, arrays)
             elif kind == _REMOTE:
                 name, rref_id = target
-                outcome = _run_registered(name, body, arrays)
+                outcome = self._run(name, body, arrays)
                 with self.lock:
                     entry = self.owned.get(rref_id)  # None if already released
-                if entry is not None:
+                if entry is not None and not entry.done():  # done: the id was used twice
                     entry.set_result(outcome)
                 outcome = (outcome[0], None if outcome[0] == _OK else outcome[1])
             elif kind == _FETCH:
@@ -435,6 +548,14 @@ class _Agent:
             with self.lock:
                 self.handlers -= 1
                 self.requests_served += 1
+
+    def _run(self, name: str, body: bytes, arrays: list[np.ndarray]) -> tuple[int, Any]:
+        """Run a requested function (counting a refusal of its arguments): its outcome."""
+        outcome = _run_registered(name, body, arrays)
+        if outcome[0] == _REFUSED:
+            with self.lock:
+                self.refused += 1
+        return outcome
 
     def _owned_entry(self, rref_id: tuple[int, int]) -> concurrent.futures.Future:
         with self.lock:

@@ -3,7 +3,9 @@
 ``ferrompi.rpc.register`` adds to the table (:func:`_add`); a caller's
 function becomes the name it is registered under (:func:`_function_name`);
 a request runs the function it names on its unpacked arguments and gets its
-outcome, a reply status and payload (:func:`_run_registered`).
+outcome, a reply status and payload (:func:`_run_registered`). Classes are
+let through RPC's unpickler by ``ferrompi.rpc.register_type``
+(``_rpc_wire._allow``), never functions: a function is named by its key.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ._rpc_wire import _FAILED, _NOT_FOUND, _OK, _unpack
-from .errors import InvalidArgument, RpcError
+from ._rpc_wire import _FAILED, _NOT_FOUND, _OK, _REFUSED, _unpack
+from .errors import InvalidArgument, RpcError, UnsafePayload
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -56,13 +58,34 @@ def _function_name(fn_name: str | Callable[..., Any], op: str) -> str:
     raise InvalidArgument(f"{op}: fn_name must be a registered name or function, not {fn_name!r}")
 
 
+def _arguments(body: bytes, arrays: list[np.ndarray]) -> tuple[tuple, dict[str, Any]]:
+    """A request's ``(args, kwargs)``, unpickled (and refused) by :func:`_unpack`."""
+    payload = _unpack(body, arrays)
+    if (
+        type(payload) is not tuple
+        or len(payload) != 2
+        or type(payload[0]) is not tuple
+        or type(payload[1]) is not dict
+        or not all(type(key) is str for key in payload[1])
+    ):
+        raise UnsafePayload("malformed RPC message: the arguments are not (args, kwargs)")
+    return payload
+
+
 def _run_registered(name: str, body: bytes, arrays: list[np.ndarray]) -> tuple[int, Any]:
-    """Run registered function ``name`` on the request's arguments: its outcome."""
+    """Run registered function ``name`` on the request's arguments: its outcome.
+
+    Arguments that RPC refuses to unpickle give the outcome ``_REFUSED``, and
+    the function does not run.
+    """
     fn = _REGISTRY.get(name)
     if fn is None:
         return _NOT_FOUND, name
     try:
-        args, kwargs = _unpack(body, arrays)
+        args, kwargs = _arguments(body, arrays)
+    except UnsafePayload as exc:
+        return _REFUSED, (exc.name, str(exc))
+    try:
         return _OK, fn(*args, **kwargs)
     except BaseException as exc:  # the caller gets it as RemoteError
         tb = exc.__traceback__.tb_next or exc.__traceback__  # from the function's own frame

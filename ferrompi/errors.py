@@ -39,6 +39,7 @@ __all__ = [
     "RpcTimeout",
     "RemoteError",
     "NoConnection",
+    "UnsafePayload",
     "DistCheckpointError",
     "CheckpointIOError",
     "CheckpointSerializationError",
@@ -272,6 +273,30 @@ class NoConnection(RpcError):
         self.reason = reason
         who = "RPC" if rank is None else f"RPC peer {rank}"
         super().__init__(f"{who}: no connection" + (f" ({reason})" if reason else ""))
+
+
+class UnsafePayload(RpcError):
+    """An RPC message was refused: it was not unpickled, and no function ran on it.
+
+    RPC unpickles only plain data, numpy values, its own types and the
+    classes registered with :func:`ferrompi.rpc.register_type`. ``name`` is
+    the global the message named that is none of these (``"os.system"``),
+    or ``None`` when the message was malformed (truncated, garbage, fields
+    out of range, arrays larger than what arrived); ``rank`` is the peer of
+    the call (the callee), when known.
+
+    Examples
+    --------
+    >>> import ferrompi as fm
+    >>> err = fm.UnsafePayload("rank 1 refused the request: ...", "os.system", 1)
+    >>> isinstance(err, fm.RpcError), err.name, err.rank
+    (True, 'os.system', 1)
+    """
+
+    def __init__(self, message: str, name: str | None = None, rank: int | None = None) -> None:
+        self.name = name
+        self.rank = rank
+        super().__init__(message)
 
 
 # ---------------------------------------------------------------------------

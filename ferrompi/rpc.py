@@ -27,8 +27,11 @@ mpi4py asks for it by default (``mpi4py.rc.thread_level = "multiple"``);
 :class:`~ferrompi.BackendUnavailable` if MPI provides less.
 
 Only registered functions run: a caller names a function, it cannot send
-code. Arguments other than arrays are pickled, and unpickling trusts the
-sender, so RPC trusts the other ranks of the same MPI job, as MPI itself does.
+code. Arguments other than arrays are pickled, and the callee unpickles only
+plain data, numpy values, ferrompi's RPC types and the classes registered
+with :func:`register_type`; a message naming anything else (``os.system``)
+is refused with :class:`~ferrompi.UnsafePayload` before anything runs, and
+the callee keeps serving.
 
 Examples
 --------
@@ -64,7 +67,7 @@ from ._mpi import MPI
 from ._progress import timeout_seconds
 from ._rpc_agent import _HANDLING, RpcFuture, WorkerInfo, _Agent
 from ._rpc_registry import _add, _function_name
-from ._rpc_wire import _CALL, _FETCH, _REMOTE, _outcome_value
+from ._rpc_wire import _CALL, _FETCH, _REMOTE, _allow, _is_rref_id, _outcome_value
 from ._simcomm import SimComm
 from .backend import Backend
 from .collectives import all_gather
@@ -74,6 +77,7 @@ from .errors import (
     InvalidArgument,
     NoConnection,
     RpcError,
+    UnsafePayload,
 )
 from .typing import Timeout
 
@@ -85,6 +89,7 @@ __all__ = [
     "init_rpc",
     "shutdown",
     "register",
+    "register_type",
     "rpc_sync",
     "rpc_async",
     "remote",
@@ -163,6 +168,73 @@ def register(fn: Callable[..., Any] | None = None, name: str | None = None) -> C
     return fn
 
 
+def register_type(cls: type) -> type:
+    """Let RPC unpickle instances of ``cls`` in arguments and results; also a decorator.
+
+    The callee unpickles only plain Python data (numbers, strings, bytes,
+    containers, ``slice``, ``OrderedDict``, ``datetime``, ``Decimal``,
+    ``Fraction``), numpy arrays and scalars, ferrompi's RPC types and the
+    classes registered here. A message that names any other class or
+    function is refused with :class:`~ferrompi.UnsafePayload` before
+    anything is built from it. Register the classes your calls pass or
+    return, on every rank that receives them (usually at import, with the
+    decorator); registration is local, like :func:`register`.
+
+    Unpickling an instance runs the class's own reconstruction (its
+    ``__reduce__`` constructor, ``__new__``, ``__setstate__``) on what the
+    sender chose: register plain data holders, for which that is harmless.
+
+    Parameters
+    ----------
+    cls : type
+        The class. pickle finds it as ``cls.__module__`` and
+        ``cls.__qualname__``: it must be importable under that name on
+        every rank (a class defined at module level).
+
+    Returns
+    -------
+    type
+        ``cls`` itself.
+
+    Raises
+    ------
+    InvalidArgument
+        If ``cls`` is not a class, is a metaclass, a numpy array or dtype
+        class (numpy values travel by RPC's own encoding), or is defined
+        inside a function (pickle cannot name it).
+
+    Examples
+    --------
+    >>> import dataclasses
+    >>> import ferrompi as fm
+    >>> @fm.rpc.register_type
+    ... @dataclasses.dataclass
+    ... class Point:
+    ...     x: float
+    ...     y: float
+    >>> Point(1.0, 2.0)
+    Point(x=1.0, y=2.0)
+    >>> fm.rpc.register_type(print)
+    Traceback (most recent call last):
+        ...
+    ferrompi.errors.InvalidArgument: register_type: cls must be a class, not <built-in ...>
+    """
+    if not isinstance(cls, type):
+        raise InvalidArgument(f"register_type: cls must be a class, not {cls!r}")
+    if issubclass(cls, (type, np.ndarray, np.dtype)):
+        raise InvalidArgument(
+            f"register_type: {cls.__qualname__} cannot be registered: metaclasses would let a "
+            "message build classes, and numpy arrays and dtypes travel by RPC's own encoding"
+        )
+    if "<locals>" in cls.__qualname__:
+        raise InvalidArgument(
+            f"register_type: {cls.__qualname__} is defined inside a function, where pickle "
+            "cannot find it; define it at module level"
+        )
+    _allow(cls)
+    return cls
+
+
 # ---------------------------------------------------------------------------
 # Remote references
 # ---------------------------------------------------------------------------
@@ -216,7 +288,7 @@ class RRef:
 
         Raises
         ------
-        RemoteError, FunctionNotFound
+        RemoteError, FunctionNotFound, UnsafePayload
             Creating the value failed on the owner.
         RpcTimeout
             No value before the deadline.
@@ -258,7 +330,14 @@ class RRef:
 
 
 def _received_rref(owner: int, rref_id: tuple[int, int]) -> RRef:
-    return RRef(_running_agent("unpickling an RRef"), owner, rref_id, False)
+    """An RRef arriving in a message (what ``RRef.__reduce__`` names)."""
+    agent = _running_agent("unpickling an RRef")
+    if type(owner) is not int or not 0 <= owner < agent.size or not _is_rref_id(rref_id):
+        raise UnsafePayload(f"malformed RPC message: RRef {rref_id!r} owned by rank {owner!r}")
+    return RRef(agent, owner, rref_id, False)
+
+
+_allow(_received_rref)  # travels in arguments and results
 
 
 # ---------------------------------------------------------------------------
@@ -573,6 +652,10 @@ def rpc_sync(
     RemoteError
         The function raised; the message and ``traceback_text`` hold the
         remote traceback.
+    UnsafePayload
+        The callee refused the arguments (they hold a class that is not
+        registered there with :func:`register_type`), or this rank refused
+        the result; the function did not run, or its result is dropped.
     RpcTimeout
         No reply before the deadline.
     RpcError, NoConnection, InvalidRank, InvalidArgument
