@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
+import stat
 import zlib
 from dataclasses import dataclass
 
@@ -20,12 +22,13 @@ from ..errors import (
     CheckpointMetadataError,
     CheckpointSerializationError,
     CheckpointTensorError,
+    DistCheckpointError,
     MissingShard,
 )
 from ..ops import ReduceOp
 from ..placements import Partial, Placement, Replicate, Shard, chunk_range, shard_ranges
 from ._io import outside_crc32
-from ._tree import _SUPPORTED
+from ._tree import _SUPPORTED, MAX_OBJECT_DEPTH
 
 __all__ = [
     "FORMAT",
@@ -43,6 +46,7 @@ __all__ = [
     "FileMeta",
     "Checkpoint",
     "open_checkpoint",
+    "open_member",
     "commit_marker",
 ]
 
@@ -55,6 +59,13 @@ GLOBAL = "global.h5"
 #: ``block_rows`` rows, about this many bytes (at least one row).
 BLOCK_BYTES = 1 << 20
 LAYOUTS = ("per-rank", "single")
+#: Largest ``metadata.json`` read (see ``docs/checkpoint-format.md``, "Reading a
+#: checkpoint safely": about 10 TiB of data in 1 MiB checksum blocks).
+METADATA_MAX_BYTES = 128 << 20
+#: Largest ``COMMIT`` marker read (a real one is under 200 bytes).
+COMMIT_MAX_BYTES = 4096
+#: Bytes of the largest array numpy can hold (``2**63 - 1`` is its size limit).
+MAX_ARRAY_BYTES = 2**63 - 1
 
 
 def shard_file(rank: int) -> str:
@@ -90,7 +101,7 @@ def decode_placement(value: object, where: str) -> Placement:
         op = value.get("partial")
         if isinstance(op, str) and op in ReduceOp.__members__:
             return Partial(ReduceOp[op])
-    raise CheckpointMetadataError(f"metadata.json: {where}: {value!r} is not a placement")
+    raise CheckpointMetadataError(f"metadata.json: {where}: {_short(value)} is not a placement")
 
 
 def placement_text(p: Placement) -> str:
@@ -124,6 +135,10 @@ class ShardMeta:
     nbytes: int
     block_rows: int
     crc32: tuple[int, ...]
+    #: Byte offset in ``file`` of the first byte of ``dataset``'s data (the
+    #: whole tensor's dataset in the single layout); ``None`` in checkpoints
+    #: written before it was recorded (then HDF5 finds it).
+    data_offset: int | None = None
 
     def describe(self) -> str:
         box = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True))
@@ -190,8 +205,108 @@ def commit_marker(metadata_bytes: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------------------
+# opening the files of a checkpoint
+# ---------------------------------------------------------------------------
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _not_regular(mode: int) -> str | None:
+    """What a file of ``mode`` is, when it is not a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def open_member(directory: str, name: str) -> int:
+    """A read-only descriptor of the file ``name`` of the checkpoint ``directory``.
+
+    The name, its symbolic links followed, must be a regular file inside the
+    directory (itself resolved the same way). Both are checked before the
+    file is opened, so that a FIFO, a device or a socket is never opened
+    (opening a FIFO waits for a writer), and the open descriptor is checked
+    again.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file (callers raise their own error: ``MissingShard``...).
+    CheckpointIOError
+        A file that is not regular, or that lies outside the directory; the
+        message names the file and what it is.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from ferrompi.checkpoint._format import open_member
+    >>> d = tempfile.mkdtemp()
+    >>> os.mkfifo(os.path.join(d, "metadata.json"))
+    >>> open_member(d, "metadata.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ferrompi.errors.CheckpointIOError: checkpoint I/O error: .../metadata.json is a FIFO ...
+    """
+    path = os.path.join(directory, name)
+    real_dir, real = os.path.realpath(directory), os.path.realpath(path)
+    if os.path.commonpath([real_dir, real]) != real_dir or real == real_dir:
+        raise CheckpointIOError(
+            f"{path} resolves to {real}, outside the checkpoint directory {real_dir}: a "
+            "checkpoint reads only its own files",
+            path,
+        )
+    what = _not_regular(os.stat(real).st_mode)
+    if what is None:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        what = _not_regular(os.fstat(fd).st_mode)  # replaced since the check?
+        if what is None:
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+    raise CheckpointIOError(
+        f"{path} is {what}, not a regular file: a checkpoint's files are regular files", path
+    )
+
+
+def read_member(directory: str, name: str, limit: int) -> bytes:
+    """The bytes of the checkpoint file ``name``, of at most ``limit`` bytes.
+
+    Raises ``FileNotFoundError`` and :class:`CheckpointIOError` as
+    :func:`open_member`, and :class:`CheckpointMetadataError` for a larger file.
+    """
+    fd = open_member(directory, name)
+    pieces, total = [], 0
+    try:
+        total = os.fstat(fd).st_size
+        if total <= limit:
+            total = 0
+            while total <= limit and (piece := os.read(fd, limit + 1 - total)):
+                pieces.append(piece)
+                total += len(piece)
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise CheckpointMetadataError(
+            f"{os.path.join(directory, name)} has more than {limit} bytes ({total} or more), the "
+            f"most a checkpoint's {name} may have: it is not one ferrompi wrote"
+        )
+    return b"".join(pieces)
+
+
+# ---------------------------------------------------------------------------
 # validation of metadata.json
 # ---------------------------------------------------------------------------
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlong = 40
+_short = _SHORT.repr  # untrusted values in messages: bounded
 
 
 def _fail(where: str, what: str) -> CheckpointMetadataError:
@@ -204,7 +319,7 @@ def _get(obj: dict, key: str, kind, where: str):
     value = obj[key]
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if not ok:
-        raise _fail(where, f"{key!r} is {value!r}, not a {getattr(kind, '__name__', kind)}")
+        raise _fail(where, f"{key!r} is {_short(value)}, not a {getattr(kind, '__name__', kind)}")
     return value
 
 
@@ -212,7 +327,7 @@ def _ints(value, where: str, what: str, minimum: int = 0) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
     ):
-        raise _fail(where, f"{what} must be a list of integers >= {minimum}, got {value!r}")
+        raise _fail(where, f"{what} must be a list of integers >= {minimum}, got {_short(value)}")
     return tuple(value)
 
 
@@ -222,7 +337,7 @@ def _dtype(text: object, where: str) -> np.dtype:
     except TypeError:
         dtype = None
     if dtype is None or dtype not in _SUPPORTED:
-        raise _fail(where, f"dtype {text!r} is not one ferrompi saves")
+        raise _fail(where, f"dtype {_short(text)} is not one ferrompi saves")
     return dtype
 
 
@@ -232,7 +347,7 @@ def _shard(obj, tensor: str, ndim: int, itemsize: int, files: set, shape) -> Sha
     where = f"tensor {tensor!r}, shard of rank {rank}"
     file = _get(obj, "file", str, where)
     if file not in files:
-        raise _fail(where, f"file {file!r} is not in the checkpoint's 'files'")
+        raise _fail(where, f"file {_short(file)} is not in the checkpoint's 'files'")
     dataset = _get(obj, "dataset", str, where)
     offsets = _ints(_get(obj, "offsets", list, where), where, "'offsets'")
     sizes = _ints(_get(obj, "sizes", list, where), where, "'sizes'", 1)
@@ -251,13 +366,16 @@ def _shard(obj, tensor: str, ndim: int, itemsize: int, files: set, shape) -> Sha
     rows = sizes[0] if sizes else 1
     if len(crcs) != -(-rows // block_rows):
         raise _fail(where, f"{len(crcs)} checksums for {rows} rows in blocks of {block_rows}")
-    return ShardMeta(rank, file, dataset, offsets, sizes, nbytes, block_rows, crcs)
+    data_offset = obj.get("data_offset")
+    if data_offset is not None:
+        data_offset = _get(obj, "data_offset", int, where)
+    return ShardMeta(rank, file, dataset, offsets, sizes, nbytes, block_rows, crcs, data_offset)
 
 
 def _file(name: object, obj) -> FileMeta:
     where = f"file {name!r}"
     if not isinstance(name, str) or not name or os.path.basename(name) != name:
-        raise _fail("top level", f"'files' must be keyed by plain file names, got {name!r}")
+        raise _fail("top level", f"'files' must be keyed by plain file names, got {_short(name)}")
     nbytes = _get(obj, "bytes", int, where)
     data = _get(obj, "data", list, where)
     extents, end = [], 0
@@ -281,7 +399,7 @@ def _placement(obj, name: str, kind: str, shape, world_size: int) -> tuple[dict,
     if kind == "replicate":
         return {"kind": kind}, None
     if kind != "dtensor":
-        raise _fail(where, f"unknown kind {kind!r}")
+        raise _fail(where, f"unknown kind {_short(kind)}")
     mesh_shape = _ints(_get(obj, "mesh_shape", list, where), where, "'mesh_shape'", 1)
     placements = _get(obj, "placements", list, where)
     if len(placements) != len(mesh_shape) or not mesh_shape:
@@ -298,6 +416,12 @@ def _placement(obj, name: str, kind: str, shape, world_size: int) -> tuple[dict,
         if len(c) != len(mesh_shape) or any(a >= n for a, n in zip(c, mesh_shape, strict=True)):
             raise _fail(where, f"coordinate {list(c)} is not on mesh {list(mesh_shape)}")
     names = obj.get("mesh_dim_names")
+    if names is not None and (
+        not isinstance(names, list)
+        or len(names) != len(mesh_shape)
+        or not all(isinstance(n, str) for n in names)
+    ):
+        raise _fail(where, f"mesh_dim_names {_short(names)} are not {len(mesh_shape)} strings")
     shard_dims = [p.dim for p in decoded if isinstance(p, Shard)]
     value = {
         "kind": kind,
@@ -313,6 +437,8 @@ def _tensor(name: str, obj, world_size: int, files: set) -> TensorMeta:
     where = f"tensor {name!r}"
     dtype = _dtype(_get(obj, "dtype", str, where), where)
     shape = _ints(_get(obj, "shape", list, where), where, "'shape'")
+    if math.prod(max(1, n) for n in shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+        raise _fail(where, f"shape {list(shape)} of {dtype} is larger than any array can be")
     placement = _get(obj, "placement", dict, where)
     kind = _get(placement, "kind", str, f"{where}, placement")
     placement, shard_dim = _placement(placement, name, kind, shape, world_size)
@@ -327,6 +453,15 @@ def _tensor(name: str, obj, world_size: int, files: set) -> TensorMeta:
             f"the shards hold {stored} elements, the shape {list(shape)} needs {math.prod(shape)}",
         )
     return TensorMeta(name, dtype, shape, kind, placement, shard_dim, shards)
+
+
+def _depth(value: object) -> int:
+    """How deeply lists and dicts nest in the JSON value ``value`` (a scalar: 0)."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (list, dict))]:
+        depth += 1
+        level = [item for v in level for item in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 class Checkpoint:
@@ -360,8 +495,15 @@ class Checkpoint:
             raise _fail("top level", f"world_size {self.world_size} < 1")
         self.layout = _get(doc, "layout", str, "top level")
         if self.layout not in LAYOUTS:
-            raise _fail("top level", f"layout {self.layout!r} is not one of {LAYOUTS}")
+            raise _fail("top level", f"layout {_short(self.layout)} is not one of {LAYOUTS}")
         files = _get(doc, "files", dict, "top level")
+        count = self.world_size + 1 if self.layout == "per-rank" else 1
+        if len(files) != count:  # before listing the names: world_size may be absurd
+            raise _fail(
+                "top level",
+                f"{len(files)} 'files', layout {self.layout!r} of {self.world_size} rank(s) "
+                f"has {count}",
+            )
         self.files = {name: _file(name, obj) for name, obj in files.items()}
         if self.layout == "per-rank":
             needed = [shard_file(r) for r in range(self.world_size)] + [GLOBAL]
@@ -375,7 +517,7 @@ class Checkpoint:
             )
         checksum = _get(doc, "checksum", dict, "top level")
         if checksum.get("algorithm") != "crc32":
-            raise _fail("checksum", f"algorithm {checksum.get('algorithm')!r} is not crc32")
+            raise _fail("checksum", f"algorithm {_short(checksum.get('algorithm'))} is not crc32")
         fileset = set(files)
         tensors = _get(doc, "tensors", dict, "top level")
         self.tensors = {
@@ -389,7 +531,29 @@ class Checkpoint:
                         f"tensor {t.name!r}, shard of rank {sh.rank}",
                         f"file {sh.file!r}, expected {file!r} of {self.world_size} rank(s)",
                     )
+        stored = dict.fromkeys(self.files, 0)
+        for t in self.tensors.values():
+            for sh in t.shards:
+                stored[sh.file] += sh.nbytes
+                size = t.nbytes if self.layout == "single" else sh.nbytes
+                extent = (sh.data_offset, size)
+                if sh.data_offset is not None and extent not in self.files[sh.file].data:
+                    raise _fail(
+                        f"tensor {t.name!r}, {sh.describe()}",
+                        f"data_offset {sh.data_offset} and {size} bytes are not a data extent "
+                        f"of {sh.file} ({list(self.files[sh.file].data)[:8]})",
+                    )
+        for name, nbytes in stored.items():
+            room = sum(n for _, n in self.files[name].data)
+            if nbytes > room:
+                raise _fail(
+                    f"file {name!r}",
+                    f"its shards hold {nbytes} bytes, its data extents only {room}",
+                )
         self.objects = _get(doc, "objects", dict, "top level")
+        for name, value in self.objects.items():
+            if _depth(value) > MAX_OBJECT_DEPTH:
+                raise _fail(f"object {name!r}", f"nested deeper than {MAX_OBJECT_DEPTH} levels")
         groups = _get(doc, "groups", list, "top level")
         if not all(isinstance(g, str) for g in groups):
             raise _fail("top level", "'groups' must be a list of strings")
@@ -402,14 +566,15 @@ class Checkpoint:
         """The ``COMMIT`` marker exists (and, with ``verify``, matches ``metadata.json``)."""
         marker_path = self.file_path(COMMIT)
         try:
-            with open(marker_path, "rb") as f:
-                text = f.read()
+            text = read_member(self.path, COMMIT, COMMIT_MAX_BYTES)
         except FileNotFoundError:
             raise CheckpointIOError(
                 f"{self.path} has no commit marker {COMMIT}: the save that wrote it did not "
                 "finish (ferrompi renames a checkpoint into place only after committing it)",
                 marker_path,
             ) from None
+        except DistCheckpointError:
+            raise
         except OSError as exc:
             raise CheckpointIOError(f"reading {marker_path}: {exc}", marker_path) from exc
         if verify and text != commit_marker(self.raw):
@@ -418,25 +583,51 @@ class Checkpoint:
                 f"{zlib.crc32(self.raw):#010x}): metadata.json is damaged or was edited"
             )
 
+    def open_data(self, name: str) -> int:
+        """A read-only descriptor of the data file ``name``, checked before it is opened.
+
+        It must be a regular file inside the checkpoint directory (see
+        :func:`open_member`) of the size ``metadata.json`` records.
+
+        Raises
+        ------
+        MissingShard
+            No such file.
+        CheckpointIOError
+            Not a regular file, or outside the directory.
+        CheckpointTensorError
+            Another size than recorded.
+        """
+        path = self.file_path(name)
+        try:
+            fd = open_member(self.path, name)
+        except FileNotFoundError:
+            raise MissingShard(path) from None
+        except DistCheckpointError:
+            raise
+        except OSError as exc:
+            raise CheckpointIOError(f"opening {path}: {exc}", path) from exc
+        size, recorded = os.fstat(fd).st_size, self.files[name].nbytes
+        if size != recorded:
+            os.close(fd)
+            raise CheckpointTensorError(
+                f"{path} has {size} bytes, metadata.json records {recorded}: the file was "
+                "truncated, extended or replaced"
+            )
+        return fd
+
     def check_files(self) -> None:
-        """Every data file named by the metadata exists (else :class:`MissingShard`)."""
+        """Every data file is what :meth:`open_data` accepts (checked before any is read)."""
         for name in self.files:
-            path = self.file_path(name)
-            if not os.path.isfile(path):
-                raise MissingShard(path)
+            os.close(self.open_data(name))
 
     def check_file(self, name: str, fd: int) -> None:
-        """The open file ``name`` has its recorded size, and its bytes outside the tensor data
-        (HDF5 structure, padding) their recorded checksum; else :class:`CheckpointTensorError`.
+        """The bytes of the open file ``name`` outside the tensor data (HDF5 structure,
+        padding) have their recorded checksum; else :class:`CheckpointTensorError`.
         """
         meta = self.files[name]
         where = f"{self.file_path(name)}"
-        size = os.fstat(fd).st_size
-        if size != meta.nbytes:
-            raise CheckpointTensorError(
-                f"{where} has {size} bytes, metadata.json records {meta.nbytes}: the file was "
-                "truncated, extended or replaced"
-            )
+        size = meta.nbytes
         try:
             crc = outside_crc32(fd, size, meta.data)
         except EOFError as exc:
@@ -467,31 +658,34 @@ def open_checkpoint(path, *, verify: bool = True) -> Checkpoint:
         raise CheckpointInvalidArgument(f"path must be a path, not {path!r}") from None
     meta_path = os.path.join(path, METADATA)
     try:
-        with open(meta_path, "rb") as f:
-            raw = f.read()
+        raw = read_member(path, METADATA, METADATA_MAX_BYTES)
     except FileNotFoundError:
         what = "directory does not exist" if not os.path.isdir(path) else "no metadata.json"
         raise CheckpointIOError(
             f"reading checkpoint metadata {meta_path}: {what}", meta_path
         ) from None
+    except DistCheckpointError:
+        raise
     except OSError as exc:
         message = f"reading checkpoint metadata {meta_path}: {exc}"
         raise CheckpointIOError(message, meta_path) from exc
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also ints of over 4300 digits
         raise CheckpointSerializationError(
-            f"checkpoint metadata {meta_path} is not valid JSON: {exc}"
-        ) from exc
+            f"checkpoint metadata {meta_path} is not valid JSON: {_short(exc)}"
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise CheckpointMetadataError(
-            f"{meta_path} is not a ferrompi checkpoint (format {found!r}, expected {FORMAT!r})"
+            f"{meta_path} is not a ferrompi checkpoint (format {_short(found)}, expected "
+            f"{FORMAT!r})"
         )
     version = doc.get("version")
     if version != VERSION:
         raise CheckpointMetadataError(
-            f"{meta_path} has format version {version!r}; this ferrompi reads version {VERSION}"
+            f"{meta_path} has format version {_short(version)}; this ferrompi reads version "
+            f"{VERSION}"
         )
     ckpt = Checkpoint(path, raw, doc)
     ckpt.check_commit(verify)

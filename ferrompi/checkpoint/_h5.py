@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable
 
 import h5py
 import numpy as np
 
 from ..errors import CheckpointTensorError
 from ._format import FORMAT, VERSION, ShardMeta, TensorMeta
+from ._h5check import H5_ERRORS, LinkRefused, hard_object
 from ._io import ALIGN, block_crcs, file_record, pread_into, read_outside, write_file
 
 __all__ = [
@@ -78,8 +80,8 @@ def write_shard_file(path: str, entries, direct_io: bool) -> tuple[dict, dict]:
     HDF5 creates the file (its structure, and the datasets' places); then
     :func:`~._io.write_file` rewrites it in one sequential pass with the
     data. ``entries`` is a list of ``(name, array, offsets, global_shape,
-    block_rows)``. Returns ``({name: crc32 list}, file record)`` (see
-    :func:`~._io.file_record`).
+    block_rows)``. Returns ``({name: crc32 list}, {name: data offset}, file
+    record)`` (see :func:`~._io.file_record`).
     """
     arrays = []
     with create_file(path) as f:
@@ -100,7 +102,7 @@ def write_shard_file(path: str, entries, direct_io: bool) -> tuple[dict, dict]:
     for _, data in structure:
         crc = zlib.crc32(data, crc)
     record = {"bytes": size, "data": [list(e) for e in extents], "outside_data_crc32": crc}
-    return crcs, record
+    return crcs, {name: offset for name, offset, _, _ in arrays}, record
 
 
 def _set_objects(f: h5py.File, objects: dict, groups) -> None:
@@ -158,13 +160,15 @@ def write_single(path: str, comm, tensors, entries, objects: dict, groups):
     writes it with the default driver. ``tensors`` (every rank the same list)
     are created collectively; ``entries`` are this rank's
     ``(name, array, offsets, global_shape, block_rows)``. Returns
-    ``({name: crc32 list}, file record)``; the record (computed by rank 0,
-    after every rank closed the file) is ``None`` on the other ranks.
+    ``({name: crc32 list}, {name: data offset}, file record)``; the record
+    (computed by rank 0, after every rank closed the file) is ``None`` on
+    the other ranks.
     """
     crcs = {}
     with create_file(path, comm) as f:
         _set_objects(f, objects, groups)
         datasets = {"/" + t.name: create_dataset(f, t.name, t.shape, t.dtype) for t in tensors}
+        offsets = {name: ds.id.get_offset() for name, ds in datasets.items()}
         extents = [(ds.id.get_offset(), ds.id.get_storage_size()) for ds in datasets.values()]
         for name, array, box_offsets, _, block_rows in entries:
             ds = datasets[name]
@@ -183,7 +187,7 @@ def write_single(path: str, comm, tensors, entries, objects: dict, groups):
             os.fsync(fd)
         finally:
             os.close(fd)
-    return crcs, record
+    return crcs, offsets, record
 
 
 class ShardSource:
@@ -195,40 +199,34 @@ class ShardSource:
     Rows are along the box's first dimension (a 0-d tensor has one row of one
     element). Boxes whose rows are contiguous in the file (every per-rank
     shard; a shared-file box spanning all trailing dimensions) are read with
-    ``preadv`` at the dataset's offset; others through h5py's hyperslabs.
+    ``preadv`` at the data offset ``metadata.json`` records, without HDF5
+    parsing the file (``open_h5`` is called only for the others, read through
+    h5py's hyperslabs, and for checkpoints that do not record the offset).
     """
 
     def __init__(
-        self, tensor: TensorMeta, shard: ShardMeta, f: h5py.File, fd: int, single: bool, extents
+        self,
+        tensor: TensorMeta,
+        shard: ShardMeta,
+        open_h5: Callable[[], h5py.File],
+        fd: int,
+        single: bool,
+        extents,
     ):
         where = f"tensor {tensor.name!r}, {shard.describe()}"
+        full_rows = tuple(shard.sizes[1:]) == tuple(tensor.shape[1:])
+        self.direct = not single or full_rows
         try:
-            ds = f[shard.dataset]
-        except (KeyError, OSError, RuntimeError, ValueError) as exc:
+            if self.direct and shard.data_offset is not None:  # checked against the extents
+                ds, offset = None, shard.data_offset
+            else:
+                ds, offset = self._dataset(open_h5(), tensor, shard, single, extents)
+        except (CheckpointTensorError, LinkRefused) as exc:
+            raise CheckpointTensorError(f"{where}: {exc}") from None
+        except H5_ERRORS as exc:  # HDF5 found its structure damaged
             raise CheckpointTensorError(
-                f"{where}: no readable dataset {shard.dataset} ({exc})"
+                f"{where}: no readable dataset {shard.dataset} ({type(exc).__name__}: {exc})"
             ) from None
-        if not isinstance(ds, h5py.Dataset):
-            raise CheckpointTensorError(f"{where}: {shard.dataset} is not a dataset")
-        expect = tensor.shape if single else shard.sizes
-        if ds.shape != tuple(expect) or ds.dtype != tensor.dtype:
-            raise CheckpointTensorError(
-                f"{where}: the dataset holds shape {ds.shape} dtype {ds.dtype}, metadata.json "
-                f"says shape {tuple(expect)} dtype {tensor.dtype}"
-            )
-        offset = ds.id.get_offset()
-        layout = ds.id.get_create_plist().get_layout()
-        if layout != h5py.h5d.CONTIGUOUS or offset is None:
-            raise CheckpointTensorError(
-                f"{where}: the dataset is not contiguous and allocated (it was rewritten by "
-                "another tool?); ferrompi reads the layout it writes (h5repack -l CONTI)"
-            )
-        nbytes = ds.id.get_storage_size()
-        if (offset, nbytes) not in extents:
-            raise CheckpointTensorError(
-                f"{where}: the dataset's data lies at bytes {offset}:{offset + nbytes} of the "
-                f"file, not where metadata.json records the file's data ({list(extents)})"
-            )
         self.tensor, self.shard, self.where = tensor, shard, where
         self.ds, self.fd = ds, fd
         item = tensor.dtype.itemsize
@@ -236,10 +234,41 @@ class ShardSource:
         self.rows = sizes[0]
         self.row_shape = tuple(sizes[1:])
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * item
-        full_rows = tuple(shard.sizes[1:]) == tuple(tensor.shape[1:])
-        self.direct = not single or full_rows
         self.base = offset + (shard.offsets[0] * self.row_bytes if single and shard.offsets else 0)
         self.sel_start = shard.offsets
+
+    @staticmethod
+    def _dataset(f: h5py.File, tensor: TensorMeta, shard: ShardMeta, single: bool, extents):
+        """``(dataset, offset)`` of the shard's dataset, checked against the metadata."""
+        ds = hard_object(f, shard.dataset)
+        if not isinstance(ds, h5py.Dataset):
+            raise CheckpointTensorError(f"{shard.dataset} is not a dataset")
+        expect = tensor.shape if single else shard.sizes
+        if ds.shape != tuple(expect) or ds.dtype != tensor.dtype:
+            raise CheckpointTensorError(
+                f"the dataset holds shape {ds.shape} dtype {ds.dtype}, metadata.json says shape "
+                f"{tuple(expect)} dtype {tensor.dtype}"
+            )
+        dcpl = ds.id.get_create_plist()
+        if dcpl.get_external_count():
+            names = [os.fsdecode(dcpl.get_external(i)[0]) for i in range(dcpl.get_external_count())]
+            raise CheckpointTensorError(
+                f"the dataset's data lives in external files ({names}); a checkpoint's data "
+                "lies in its own files"
+            )
+        offset = ds.id.get_offset()
+        if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or offset is None:
+            raise CheckpointTensorError(
+                "the dataset is not contiguous and allocated (it was rewritten by another "
+                "tool?); ferrompi reads the layout it writes (h5repack -l CONTI)"
+            )
+        nbytes = ds.id.get_storage_size()
+        if (offset, nbytes) not in extents:
+            raise CheckpointTensorError(
+                f"the dataset's data lies at bytes {offset}:{offset + nbytes} of the file, not "
+                f"where metadata.json records the file's data ({list(extents)[:8]})"
+            )
+        return ds, offset
 
     def read_rows(self, a: int, parts) -> None:
         """Consecutive rows from row ``a`` into the byte buffers ``parts``, in order.
@@ -258,5 +287,8 @@ class ShardSource:
         for part in parts:
             b = a + len(part) // self.row_bytes
             view = part.view(self.tensor.dtype).reshape((b - a, *self.row_shape))
-            self.ds.read_direct(view, source_sel=(slice(o[0] + a, o[0] + b), *rest))
+            try:
+                self.ds.read_direct(view, source_sel=(slice(o[0] + a, o[0] + b), *rest))
+            except H5_ERRORS as exc:
+                raise CheckpointTensorError(f"{self.where}: HDF5 cannot read it: {exc}") from None
             a = b

@@ -12,24 +12,30 @@ end).
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Mapping
 
 import h5py
 import numpy as np
 
 from .._arrays import copy_into
+from .._progress import default_seconds
 from ..backend import Backend
 from ..errors import (
     CheckpointInvalidArgument,
     CheckpointTensorError,
     DistCheckpointError,
-    MissingShard,
 )
 from ..placements import Partial, as_partial, shard_ranges
 from ..typing import Timeout
+from . import _h5check
 from ._format import GLOBAL, Checkpoint, ShardMeta, TensorMeta, open_checkpoint
 from ._h5 import ShardSource
+from ._h5check import H5_ERRORS
 from ._io import CHUNK, DEPTH, BlockCRC, Damage, scratch, stream
 from ._save import exchange, step_seconds
 from ._tree import flatten, host_tree, native_dtype, unflatten
@@ -66,7 +72,8 @@ class Reader:
     def __init__(self, ckpt: Checkpoint, verify: bool = True) -> None:
         self.ckpt = ckpt
         self.verify = verify
-        self._files: dict[str, tuple[h5py.File, int]] = {}
+        self._fds: dict[str, int] = {}
+        self._h5: dict[str, h5py.File] = {}
         self._sources: dict[tuple[str, int], ShardSource] = {}
 
     def __enter__(self) -> Reader:
@@ -76,10 +83,12 @@ class Reader:
         self.close()
 
     def close(self) -> None:
-        for f, fd in self._files.values():
+        for f in self._h5.values():
             f.close()
+        for fd in self._fds.values():
             os.close(fd)
-        self._files.clear()
+        self._h5.clear()
+        self._fds.clear()
         self._sources.clear()
 
     def source(self, t: TensorMeta, s: ShardMeta) -> ShardSource:
@@ -88,56 +97,60 @@ class Reader:
         if src is not None:
             return src
         try:
-            f, fd = self.file(s.file)
+            fd = self.file(s.file)
         except CheckpointTensorError as exc:
             raise CheckpointTensorError(f"tensor {t.name!r}, {s.describe()}: {exc}") from None
         extents = self.ckpt.files[s.file].data
-        src = ShardSource(t, s, f, fd, self.ckpt.layout == "single", extents)
+        src = ShardSource(
+            t, s, lambda: self.h5file(s.file), fd, self.ckpt.layout == "single", extents
+        )
         self._sources[key] = src
         return src
 
-    def file(self, name: str) -> tuple[h5py.File, int]:
-        """The open data file ``name`` (opened by :meth:`open` on first use)."""
-        opened = self._files.get(name)
-        if opened is None:
-            opened = self._files[name] = self.open(name)
-        return opened
+    def file(self, name: str) -> int:
+        """A descriptor of the data file ``name``, checked when first opened.
 
-    def _open_fd(self, name: str) -> tuple[str, int]:
-        """The path of data file ``name`` and a read-only descriptor of it (or MissingShard)."""
-        path = self.ckpt.file_path(name)
-        try:
-            return path, os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise MissingShard(path) from None
-
-    def open(self, name: str) -> tuple[h5py.File, int]:
-        """Open the data file ``name``: a descriptor for the data, h5py for its structure.
-
-        With ``verify``, the file's size and the checksum of its bytes outside
-        the tensor data (the HDF5 structure) are checked before HDF5 parses
-        any of them, so a damaged file is reported as such
-        (:class:`CheckpointTensorError`) and never interpreted.
+        It is what :meth:`Checkpoint.open_data` accepts and, with ``verify``,
+        its bytes outside the tensor data (the HDF5 structure) have their
+        recorded checksum, so a damaged file is reported as such
+        (:class:`CheckpointTensorError`) before anything reads it.
         """
-        path, fd = self._open_fd(name)
-        try:
-            if self.verify:
-                self.ckpt.check_file(name, fd)
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self.ckpt.open_data(name)
             try:
-                f = h5py.File(path, "r")
-            except OSError as exc:
+                if self.verify:
+                    self.ckpt.check_file(name, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[name] = fd
+        return fd
+
+    def h5file(self, name: str) -> h5py.File:
+        """The data file ``name`` opened by h5py (after :meth:`file` checked it).
+
+        Only shards whose metadata does not record their data's offset
+        (checkpoints written before it was recorded), boxes of the single
+        layout that are not whole rows, and :func:`verify_checkpoint`'s check
+        of ``global.h5`` need HDF5 to parse a file's structure.
+        """
+        f = self._h5.get(name)
+        if f is None:
+            self.file(name)
+            path = self.ckpt.file_path(name)
+            try:
+                f = self._h5[name] = h5py.File(path, "r")
+            except H5_ERRORS as exc:
                 raise CheckpointTensorError(
                     f"{path} cannot be opened as HDF5 (damaged?): {exc}"
                 ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        return f, fd
+        return f
 
     def check_global(self) -> None:
         """With ``verify``, check ``global.h5`` of the per-rank layout (which loads never read)."""
         if self.verify and self.ckpt.layout == "per-rank":
-            _, fd = self._open_fd(GLOBAL)
+            fd = self.ckpt.open_data(GLOBAL)
             try:
                 self.ckpt.check_file(GLOBAL, fd)
             finally:
@@ -619,7 +632,7 @@ def verify_checkpoint(path) -> list[str]:
     with Reader(ckpt, verify=True) as reader:
         for name in ckpt.files:
             try:
-                reader.file(name)  # its size and HDF5 structure, before h5py reads it
+                reader.file(name)  # its type, size and HDF5 structure's checksum
             except DistCheckpointError as exc:
                 problems.append(str(exc))
                 bad.add(name)
@@ -632,32 +645,46 @@ def verify_checkpoint(path) -> list[str]:
                 problems.append(str(exc))
                 bad.update(s.file for s in t.shards)
         if ckpt.layout == "per-rank" and GLOBAL not in bad:
-            problems += _check_global(ckpt, reader.file(GLOBAL)[0])
+            problems += _check_global(ckpt, default_seconds())
     return problems
 
 
-def _check_global(ckpt: Checkpoint, f: h5py.File) -> list[str]:
-    """``global.h5`` (open as ``f``, its bytes checked) holds every tensor and value."""
+def _check_global(ckpt: Checkpoint, seconds: float) -> list[str]:
+    """``global.h5`` (its bytes checked) holds every tensor and value.
+
+    HDF5 parses it in a child process (:mod:`._h5check`): a crafted structure
+    that crashes the library ends the child, and is reported as a problem.
+    """
     path = ckpt.file_path(GLOBAL)
-    problems = []
-    for t in ckpt.tensors.values():
-        ds = f.get(t.name)
-        if not isinstance(ds, h5py.Dataset):
-            problems.append(f"{path}: no dataset /{t.name}")
-        elif ds.shape != t.shape or ds.dtype != t.dtype:
-            problems.append(
-                f"{path}: /{t.name} has shape {ds.shape} dtype {ds.dtype}, metadata.json "
-                f"says {t.shape} {t.dtype}"
-            )
-        elif (
-            t.shape
-            and t.shards
-            and (not ds.is_virtual or len(ds.virtual_sources()) != len(t.shards))
-        ):
-            problems.append(f"{path}: /{t.name} is not a virtual dataset over its shards")
-    for name in ckpt.objects:
-        parent, _, key = name.rpartition("/")
-        group = f.get(parent) if parent else f
-        if group is None or key not in group.attrs:
-            problems.append(f"{path}: no attribute {key!r} on /{parent}")
-    return problems
+    request = {
+        "path": path,
+        "tensors": [
+            [t.name, list(t.shape), t.dtype.str, [[s.file, s.dataset] for s in t.shards]]
+            if t.shape  # a 0-d tensor is a real dataset, a copy of rank 0's value
+            else [t.name, [], t.dtype.str, []]
+            for t in ckpt.tensors.values()
+        ],
+        "attributes": [list(name.rpartition("/")[::2]) for name in ckpt.objects],
+    }
+    try:
+        child = subprocess.run(
+            [sys.executable, "-I", _h5check.__file__],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=seconds,
+        )
+    except subprocess.TimeoutExpired:
+        return [f"{path}: HDF5 did not finish parsing its structure within {seconds} s"]
+    if child.returncode < 0:
+        return [
+            f"{path}: parsing its HDF5 structure crashed the HDF5 library "
+            f"({signal.Signals(-child.returncode).name}): the file is crafted or damaged"
+        ]
+    try:
+        problems = json.loads(child.stdout)
+    except ValueError:
+        problems = None
+    if child.returncode or not isinstance(problems, list):
+        return [f"{path}: checking its HDF5 structure failed: {child.stderr[-400:]}"]
+    return [str(p) for p in problems]

@@ -471,6 +471,7 @@ def _metadata(job: SaveJob, tensors: list[TensorMeta], files: dict) -> dict:
                         "nbytes": s.nbytes,
                         "block_rows": s.block_rows,
                         "crc32": list(s.crc32),
+                        "data_offset": s.data_offset,
                     }
                     for s in t.shards
                 ],
@@ -502,7 +503,11 @@ def _commit(job: SaveJob, tmp: str, results: list[dict]) -> None:
         dataclasses.replace(
             t,
             shards=tuple(
-                dataclasses.replace(s, crc32=tuple(results[s.rank]["crcs"][s.dataset]))
+                dataclasses.replace(
+                    s,
+                    crc32=tuple(results[s.rank]["crcs"][s.dataset]),
+                    data_offset=results[s.rank]["offsets"][s.dataset],
+                )
                 for s in t.shards
             ),
         )
@@ -572,14 +577,14 @@ def run(job: SaveJob, backend: Backend) -> pathlib.Path:
     try:
         if job.layout == "per-rank":
             target = os.path.join(tmp, shard_file(rank))
-            crcs, record = write_shard_file(target, job.entries, job.direct_io)
+            crcs, offsets, record = write_shard_file(target, job.entries, job.direct_io)
         else:
             comm = backend.comm if job.world_size > 1 else None
             target = os.path.join(tmp, GLOBAL)
-            crcs, record = write_single(
+            crcs, offsets, record = write_single(
                 target, comm, job.tensors, job.entries, job.objects, job.groups
             )
-        result = {"crcs": crcs, "file": record}
+        result = {"crcs": crcs, "offsets": offsets, "file": record}
     except Exception as exc:
         result, local = {"error": f"{type(exc).__name__}: {exc}"}, exc
     results = exchange(result, backend, job.timeout + job.allowance)

@@ -95,7 +95,15 @@ def check_array(name: str, array: np.ndarray) -> np.ndarray:
     return np.asarray(array, dtype=native_dtype(name, array.dtype), order="C")
 
 
-def _json_safe(value: object, name: str) -> None:
+#: Deepest nesting of lists and dicts in a saved value (loads refuse deeper ones).
+MAX_OBJECT_DEPTH = 64
+
+
+def _json_safe(value: object, name: str, depth: int = 0) -> None:
+    if isinstance(value, (list, tuple, dict)) and depth >= MAX_OBJECT_DEPTH:
+        raise CheckpointInvalidArgument(
+            f"{name!r}: lists and dicts nest deeper than {MAX_OBJECT_DEPTH} levels"
+        )
     if value is None or isinstance(value, (bool, int, str)):
         return
     if isinstance(value, float):
@@ -106,7 +114,7 @@ def _json_safe(value: object, name: str) -> None:
         return
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _json_safe(item, f"{name}[{i}]")
+            _json_safe(item, f"{name}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
@@ -114,7 +122,7 @@ def _json_safe(value: object, name: str) -> None:
                 raise CheckpointInvalidArgument(
                     f"{name!r}: dict key {key!r} inside a list is not a string (JSON keys are)"
                 )
-            _json_safe(item, f"{name}[{key!r}]")
+            _json_safe(item, f"{name}[{key!r}]", depth + 1)
         return
     if isinstance(value, np.ndarray):
         hint = "arrays belong directly under a dict key, not inside a list"
