@@ -32,6 +32,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 import numpy as np
 
@@ -266,23 +267,54 @@ def read_outside(fd: int, size: int, extents) -> list[tuple[int, bytes]]:
 DEPTH = 2
 
 
-def stream(count: int, read: Callable[[int], object], consume: Callable[[int, object], None]):
+def stream(
+    count: int,
+    read: Callable[[int], object],
+    consume: Callable[[int, object], None],
+    seconds: float | None = None,
+):
     """Call ``consume(i, read(i))`` in order for ``i < count``, with ``DEPTH`` reads ahead.
 
     ``read(i)`` runs in helper threads, so reading overlaps with consuming
     (checksumming, copying); ``read(i + DEPTH + 1)`` starts only after
-    ``consume(i)`` returned, so ``DEPTH + 1`` buffers can rotate.
+    ``consume(i)`` returned, so ``DEPTH + 1`` buffers can rotate. A read
+    that has not finished ``seconds`` after it was waited for raises
+    ``TimeoutError``; the reads still in flight are then abandoned (with the
+    calling thread's :func:`scratch` buffers, so none is reused under them).
+
+    Examples
+    --------
+    >>> import threading
+    >>> from ferrompi.checkpoint._io import stream
+    >>> stream(3, lambda i: i * i, lambda i, r: print(i, r))
+    0 0
+    1 1
+    2 4
+    >>> stuck = threading.Event()
+    >>> stream(2, lambda i: stuck.wait(), lambda i, r: None, seconds=0.1)
+    Traceback (most recent call last):
+    ...
+    TimeoutError: a read did not finish within 0.1 s
+    >>> stuck.set()
     """
     pending = [_POOL.submit(read, i) for i in range(min(DEPTH, count))]
+    stalled = False
     try:
         for i in range(count):
-            result = pending.pop(0).result()
+            try:
+                result = pending[0].result(timeout=seconds)
+            except FuturesTimeout:
+                stalled = True
+                _LOCAL.buffers = {}
+                raise TimeoutError(f"a read did not finish within {seconds} s") from None
+            pending.pop(0)
             if i + DEPTH < count:
                 pending.append(_POOL.submit(read, i + DEPTH))
             consume(i, result)
     finally:
-        for job in pending:  # on an error, let the reads in flight finish with their buffers
-            job.exception()
+        if not stalled:
+            for job in pending:  # on an error, let the reads in flight finish with their buffers
+                job.exception()
 
 
 def _gather(pieces: list, starts: list[int], start: int, out: np.ndarray) -> None:

@@ -23,12 +23,14 @@ import h5py
 import numpy as np
 
 from .._arrays import copy_into
-from .._progress import default_seconds
+from .._progress import default_seconds, timeout_seconds
 from ..backend import Backend
 from ..errors import (
     CheckpointInvalidArgument,
+    CheckpointIOError,
     CheckpointTensorError,
     DistCheckpointError,
+    FerrompiError,
 )
 from ..placements import Partial, as_partial, shard_ranges
 from ..typing import Timeout
@@ -69,9 +71,10 @@ class Reader:
     [2, 3, 4]
     """
 
-    def __init__(self, ckpt: Checkpoint, verify: bool = True) -> None:
+    def __init__(self, ckpt: Checkpoint, verify: bool = True, seconds: float | None = None):
         self.ckpt = ckpt
         self.verify = verify
+        self.seconds = default_seconds() if seconds is None else seconds
         self._fds: dict[str, int] = {}
         self._h5: dict[str, h5py.File] = {}
         self._sources: dict[tuple[str, int], ShardSource] = {}
@@ -249,7 +252,7 @@ class Reader:
             if self.verify:
                 self._check(src, ca, parts)
 
-        stream(-(-(b - a) // per), read, lambda i, _: None)
+        self._stream(src, -(-(b - a) // per), read, lambda i, _: None)
 
     def scan(self, src: ShardSource, r0: int, r1: int, consume=None) -> None:
         """Stream rows ``[r0, r1)`` of a box through ``DEPTH + 1`` reused buffers.
@@ -285,7 +288,19 @@ class Reader:
                 rows = buf.view(dtype).reshape(row_shape)
                 consume(lo, hi, rows[lo - ca : hi - ca])
 
-        stream(count, read, use)
+        self._stream(src, count, read, use)
+
+    def _stream(self, src: ShardSource, count: int, read, consume) -> None:
+        """:func:`~._io.stream` under the reader's deadline (each read within ``seconds``)."""
+        try:
+            stream(count, read, consume, self.seconds)
+        except TimeoutError as exc:
+            path = self.ckpt.file_path(src.shard.file)
+            raise CheckpointIOError(
+                f"tensor {src.tensor.name!r}, {src.shard.describe()}: reading {path} stalled: "
+                f"{exc} (the load's timeout)",
+                path,
+            ) from None
 
     def verify_tensor(self, t: TensorMeta) -> None:
         """Read every stored byte of ``t`` and check it (raises on damage)."""
@@ -315,7 +330,9 @@ def _check_rank(rank, world_size) -> tuple[int, int]:
     return int(rank), int(world_size)
 
 
-def load_distributed(path, rank: int, world_size: int, *, verify: bool = True) -> dict:
+def load_distributed(
+    path, rank: int, world_size: int, *, verify: bool = True, timeout: Timeout = None
+) -> dict:
     """The state dict rank ``rank`` of a ``world_size``-rank job gets; no communication.
 
     Every array comes back as rank ``rank``'s part:
@@ -340,6 +357,10 @@ def load_distributed(path, rank: int, world_size: int, *, verify: bool = True) -
         Who is loading.
     verify : bool
         Check the checksums of the bytes read and the commit marker.
+    timeout : float or datetime.timedelta, optional
+        How long one read (of up to 8 MiB) may take before the load gives up
+        with :class:`CheckpointIOError` (default ``FERROMPI_TIMEOUT`` or 60 s):
+        a stalled file system ends the load instead of hanging it.
 
     Returns
     -------
@@ -361,8 +382,12 @@ def load_distributed(path, rank: int, world_size: int, *, verify: bool = True) -
     CheckpointTensorError
         A stored box does not match the metadata: checksum, shape, dtype
         (the message names the tensor and the shard).
+    CheckpointIOError
+        Also: a file that is not a regular file inside the checkpoint
+        directory (a FIFO, a device, a link leaving it), or a read that
+        stalled past ``timeout``.
     CheckpointInvalidArgument
-        ``rank`` outside ``[0, world_size)``.
+        ``rank`` outside ``[0, world_size)``, or a bad ``timeout``.
 
     Examples
     --------
@@ -377,10 +402,14 @@ def load_distributed(path, rank: int, world_size: int, *, verify: bool = True) -
     [[0, 0], [1, 1], [2, 2], []]
     """
     rank, world_size = _check_rank(rank, world_size)
+    try:
+        seconds = timeout_seconds(timeout)
+    except FerrompiError as exc:
+        raise CheckpointInvalidArgument(str(exc)) from None
     ckpt = open_checkpoint(path, verify=verify)
     ckpt.check_files()
     leaves = {}
-    with Reader(ckpt, verify) as reader:
+    with Reader(ckpt, verify, seconds) as reader:
         reader.check_global()
         for t in ckpt.tensors.values():
             start, stop = t.box_for(rank, world_size, ckpt.world_size)
@@ -509,7 +538,8 @@ def load_distributed_into(
     verify : bool
         Check checksums.
     timeout : float or datetime.timedelta, optional
-        Deadline of the exchanges.
+        Deadline of the exchanges and of each read (see
+        :func:`load_distributed`).
 
     Returns
     -------
@@ -555,7 +585,7 @@ def load_distributed_into(
     descs = exchange(desc, backend, seconds)
     _agree(descs, local)
     try:
-        with Reader(ckpt, verify) as reader:
+        with Reader(ckpt, verify, seconds) as reader:
             reader.check_global()
             for name, t in arrays.items():
                 target = flat.arrays[name]
