@@ -580,7 +580,7 @@ def _sendrecv(state, seconds: float, args: tuple) -> tuple:
         if out is not None and overlaps(x, buf):
             x = x.copy()  # MPI must not receive into what it is sending
     status = MPI.Status()
-    args = (state.comm, buf, source, x, peer, tag)
+    args = (state.comm, x, peer, buf, source, tag)  # the send buffer first (a plan refills it)
     keep = (buf, status, "sendrecv", rkind, x)
     begin = (state.world_ranks[source], None, None, None, -1)  # the rank it waits for
     return (
@@ -595,11 +595,41 @@ def _sendrecv(state, seconds: float, args: tuple) -> tuple:
     )
 
 
-def _post_sendrecv(comm, buf, source: int, x, peer: int, tag: int) -> _SendRecv:
+def _post_sendrecv(comm, x, peer: int, buf, source: int, tag: int) -> _SendRecv:
     """Post the receive, then the send, of one exchange."""
     return _SendRecv(
         comm.Irecv([buf, buf.nbytes, _BYTE], source, tag),
         comm.Isend([x, x.nbytes, _BYTE], peer, tag),
+    )
+
+
+class _PersistentSendRecv(_SendRecv):
+    """A planned exchange (:mod:`ferrompi.plans`): a persistent receive and send,
+    started together by :meth:`Start` at every call."""
+
+    __slots__ = ("_pair",)
+
+    def __init__(self, recv, send) -> None:
+        super().__init__(recv, send)
+        self._pair = [recv, send]
+
+    def Start(self) -> None:  # noqa: N802 - a request's name
+        self._recv_done = self._send_done = False
+        MPI.Prequest.Startall(self._pair)
+
+    def Get_status(self) -> bool:  # noqa: N802
+        return self._recv.Get_status() and self._send.Get_status()
+
+    def Free(self) -> None:  # noqa: N802
+        for req in self._pair:
+            req.Free()
+
+
+def _persistent_sendrecv(comm, x, peer: int, buf, source: int, tag: int) -> _PersistentSendRecv:
+    """The persistent form of :func:`_post_sendrecv`'s exchange (``Recv_init``, ``Send_init``)."""
+    return _PersistentSendRecv(
+        comm.Recv_init([buf, buf.nbytes, _BYTE], source, tag),
+        comm.Send_init([x, x.nbytes, _BYTE], peer, tag),
     )
 
 

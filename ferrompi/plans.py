@@ -16,9 +16,10 @@ flight entry and completes under its timeout, so a timeout in a planned
 loop names the missing rank and the plan's operation. Where the MPI
 library has MPI-4 persistent operations (MPICH ≥ 4), a plan holds one
 persistent request (``MPI_Allreduce_init`` ...); calls the node engine
-takes go there, as the plain call's do. Operations made of steps (the
-uneven all-to-all and ``scatter``, which exchange a header first) run their
-steps at each call.
+takes go there, as the plain call's do. The uneven all-to-all exchanges
+its split tables once, when planned, and is then an ``Alltoallv`` of fixed
+counts; ``scatter``, whose non-source ranks learn the shape from a header,
+runs its steps at each call.
 
 A plan lives until :meth:`Plan.free` (or the end of its ``with`` block); a
 freed plan, or one whose group was destroyed, raises when used.
@@ -67,10 +68,10 @@ from .collectives import (
 from .errors import FerrompiError, InvalidArgument
 from .objects import all_gather_object
 from .ops import ReduceOp
-from .p2p import irecv, send, sendrecv
+from .p2p import _persistent_sendrecv, _post_sendrecv, irecv, send, sendrecv
 from .rooted import gather, reduce, scatter
 from .typing import Timeout
-from .uneven import all_to_all_single_uneven
+from .uneven import _uneven_steps, all_to_all_single_uneven, planned_uneven
 
 __all__ = [
     "Plan",
@@ -162,11 +163,17 @@ class Plan:
         )
         self._freed = True  # until planned
         local = parts = init = None
+        steps = None
         try:
             self._x = None if x is None else _host_view(x, name)
             parts = prepare(state, seconds, args)
             self._stage = self._staging(parts)
-            init = _persistent_init(state.comm, parts)
+            steps = _PLANNED_STEPS.get(parts[2]) if parts[7] is STEPS else None
+            init = (
+                _persistent_init(state.comm, parts)
+                if steps is None
+                else getattr(state.comm, steps[1], None)
+            )
         except FerrompiError as exc:  # told to the other ranks in the agreement below
             local = exc
         persist = init is not None
@@ -174,6 +181,10 @@ class Plan:
             persist = self._agree(local, None if parts is None else parts[0], persist)
         if local is not None:
             raise local
+        if steps is not None:  # their exchange now, once (collective): then a plain call
+            parts = steps[0](*parts[3])
+            self._stage = self._staging(parts)
+            init = _persistent_init(state.comm, parts)
         route, post_args = parts[1], parts[3]
         self._parts = parts
         self._req = None
@@ -489,10 +500,19 @@ def _free_request(req) -> None:
         _ABANDONED.append(req)
 
 
+#: Steps that a plan runs once, when it is made: ``steps: (plan_steps, init)``, where
+#: ``plan_steps(*post_args)`` exchanges what the steps would at each call and returns
+#: the parts of the plain call left, whose persistent form is ``comm.<init>``.
+_PLANNED_STEPS = {_uneven_steps: (planned_uneven, "Alltoallv_init")}
+
+
 def _persistent_init(comm, parts: tuple):
     """MPI-4's persistent form of the call's ``I...`` request (``Iallreduce`` ->
-    ``comm.Allreduce_init``), or None: a call of steps, or an MPI without it."""
+    ``comm.Allreduce_init``; a sendrecv's pair of ``Recv_init`` and ``Send_init``),
+    or None: a call of steps, or an MPI without it."""
     post, wait = parts[2], parts[7]
+    if post is _post_sendrecv:
+        return _persistent_sendrecv if isinstance(comm, MPI.Comm) else None
     name = getattr(post, "__name__", "")
     if wait is STEPS or not name.startswith("I") or getattr(post, "__self__", None) is not comm:
         return None

@@ -265,6 +265,25 @@ def _uneven_steps(state, seconds, layout, header, x, inline, kind, like, out, se
     when every rank's rows came in the table exchange, the operation is done
     and the request is None.
     """
+    received, pieces, result, buf, rkind = _exchange_tables(
+        state, seconds, layout, header, x, inline, kind, like, out
+    )
+    if pieces is not None:  # every rank's rows came with its record: no second exchange
+        if buf.size:
+            buffer_of(buf).cast("B")[:] = b"".join(pieces)
+        if buf is not result:
+            rkind.copy_into(result, buf)  # the caller's out, or a device result of a staged input
+        state.end(DONE)
+        return None, result, None, None  # done: no request
+    x = _separate(x, buf, out)
+    counts = _alltoallv_counts(send, received, row)
+    post, args, keep = alltoallv_call(state, x, buf, dt, *counts)
+    return (post(*args), result, *conclusion(result, buf, 0, keep, rkind))
+
+
+def _exchange_tables(state, seconds, layout, header, x, inline, kind, like, out) -> tuple:
+    """The split tables exchanged and checked (raising on every rank if they do not
+    fit), then the output: ``(received, pieces, result, buf, result kind)``."""
     name = "all_to_all_single_uneven"
     seq = state.seq
     if state.size < PAIRWISE_CHECK_FROM:
@@ -276,31 +295,47 @@ def _uneven_steps(state, seconds, layout, header, x, inline, kind, like, out, se
         state.end(FAILED)
         raise InvalidArgument(f"{name}: the ranks' splits do not fit: " + "; ".join(problems))
     if type(out) is _ndarray and out.flags.c_contiguous:  # checked before the exchange
-        result = buf = out
-        rkind = HOST
-    else:
-        try:
-            shape = (sum(received), *x.shape[1:])
-            result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-        except FerrompiError:
-            state.end(FAILED)
-            raise
-    if pieces is not None:  # every rank's rows came with its record: no second exchange
-        if buf.size:
-            buffer_of(buf).cast("B")[:] = b"".join(pieces)
-        if buf is not result:
-            rkind.copy_into(result, buf)  # the caller's out, or a device result of a staged input
-        state.end(DONE)
-        return None, result, None, None  # done: no request
-    x = _separate(x, buf, out)
+        return received, pieces, out, out, HOST
+    try:
+        shape = (sum(received), *x.shape[1:])
+        result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
+    except FerrompiError:
+        state.end(FAILED)
+        raise
+    return received, pieces, result, buf, rkind
+
+
+def _alltoallv_counts(send: list[int], received: list[int], row: int) -> tuple:
+    """``(scounts, sdispls, rcounts, rdispls)`` in elements of rows of ``row`` elements."""
     if row == 1:
         scounts, rcounts = send, received
     else:
         scounts, rcounts = [c * row for c in send], [c * row for c in received]
     sdispls = [0, *itertools.accumulate(scounts[:-1])]
     rdispls = [0, *itertools.accumulate(rcounts[:-1])]
-    post, args, keep = alltoallv_call(state, x, buf, dt, scounts, sdispls, rcounts, rdispls)
-    return (post(*args), result, *conclusion(result, buf, 0, keep, rkind))
+    return scounts, sdispls, rcounts, rdispls
+
+
+def planned_uneven(state, seconds, layout, header, x, inline, kind, like, out, send, row, dt):
+    """The uneven all-to-all's steps, planned (:mod:`ferrompi.plans`).
+
+    The split tables are exchanged and checked once, now (a record of their
+    own on the status board), and the call becomes an ``Ialltoallv`` of
+    fixed counts: the prepared call's parts, ``wait`` None, which every rank
+    can make a persistent ``Alltoallv_init``.
+    """
+    begin = (-1, x.shape, x.dtype, None, -1)
+    state.begin(_UNEVEN, begin, seconds)
+    received, _, result, buf, rkind = _exchange_tables(
+        state, seconds, layout, header, x, -1, kind, like, out
+    )
+    state.end(DONE)
+    x = _separate(x, buf, out)
+    scounts, sdispls, rcounts, rdispls = _alltoallv_counts(send, received, row)
+    keep = (x, scounts, sdispls, rcounts, rdispls)
+    args = ([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
+    finish, keep = conclusion(result, buf, 0, keep, rkind)
+    return begin, None, state.comm.Ialltoallv, args, result, finish, keep, None
 
 
 def _separate(x: np.ndarray, buf, out) -> np.ndarray:

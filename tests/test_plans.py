@@ -82,6 +82,34 @@ def test_every_plan_equals_its_call(group):
     assert len(checked) == 10, checked  # and scatter, barrier, start()
 
 
+def _uneven_plans(b):
+    """The uneven all-to-all exchanges its split tables once, when planned: rows of
+    several elements, recv_splits taken from the peers, out=, start(), bad tables."""
+    n, r = b.world_size, b.rank
+    sends = [(r + 2 * j) % 3 for j in range(n)]  # rank j receives (s + 2j) % 3 from rank s
+    x = np.empty((sum(sends), 2))
+    received = sum((s + 2 * r) % 3 for s in range(n))
+    out = np.empty((received, 2))
+    with fm.all_to_all_single_uneven_init(x, sends, None, b, out=out) as plan:
+        for step in range(3):
+            x[...] = _data(r, step, x.shape)
+            want = fm.all_to_all_single_uneven(x.copy(), sends, None, b)
+            assert plan() is out
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(plan.start().wait(), want)
+    if n > 1:
+        wrong = [1] * n if r == 0 else None  # rank 0 expects a row from itself too
+        rows = np.ones((n if r else 0, 2))  # but sends none
+        with pytest.raises(fm.InvalidArgument, match="rank 0 sends 0 rows to rank 0, which exp"):
+            fm.all_to_all_single_uneven_init(rows, [1 if r else 0] * n, wrong, b)
+        # the group still works: the failed plan left no call half done
+        np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, n))
+
+
+def test_planned_uneven_all_to_all_exchanges_its_tables_once(group):
+    group.run(_uneven_plans)
+
+
 def _coalesced(b):
     n, r = b.world_size, b.rank
     arrays = [np.empty(3), np.empty((2, 2), np.float32), np.empty(5), np.empty(0)]
@@ -159,6 +187,11 @@ def _messages(b):
             x[...] = _data(r, step, (4,))
             assert ring() is got
             np.testing.assert_array_equal(got, _data(left, step, (4,)))
+    x, got = np.empty(2 + r), np.empty(2 + left)  # each rank sends its own number of values
+    with fm.sendrecv_init(x, got.shape, right, b, source=left, out=got) as ring:
+        for step in range(3):
+            x[...] = _data(r, step, x.shape)
+            np.testing.assert_array_equal(ring.start().wait(), _data(left, step, got.shape))
     if r == 0:
         x = np.empty(3)
         with fm.send_init(x, 1, b, tag=5) as send:
