@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -440,7 +441,14 @@ class Calls:
         if self.dist:
             ts = [self._tensor(o) for o in outs]
             calls["gloo"] = lambda: self.dist.all_reduce_coalesced(ts)
-        return self._plan(calls, fm.allreduce_coalesced_init(xs, w, out=outs))
+        # the same arrays as views of one buffer (a bucket), reduced in place
+        bucket = np.split(fused.copy(), list(itertools.accumulate(x.size for x in xs))[:-1])
+        self.inputs.extend(bucket)
+        bucket_plan = fm.allreduce_coalesced_init(bucket, w, out=bucket)
+        self.plans.append(bucket_plan)
+        calls = self._plan(calls, fm.allreduce_coalesced_init(xs, w, out=outs))
+        calls["planned bucket"] = bucket_plan
+        return calls
 
 
 def rewriting(calls: dict, inputs: list[np.ndarray]) -> dict:
@@ -835,8 +843,12 @@ def target_report(results: list[dict]) -> list[str]:
         if r["op"] == "allreduce_coalesced" and {"planned", "one fused allreduce"} <= set(
             r["stats"]
         ):
-            fused = median(r, "planned") / median(r, "one fused allreduce")
-            lines.append(f"  planned allreduce_coalesced <= 1.3x one fused allreduce: {fused:.2f}x")
+            for name in ("planned", "planned bucket"):
+                if name in r["stats"]:
+                    fused = median(r, name) / median(r, "one fused allreduce")
+                    lines.append(
+                        f"  {name} allreduce_coalesced <= 1.3x one fused allreduce: {fused:.2f}x"
+                    )
         if r["op"] == "allreduce" and r["bytes"] == 16 * MiB and "mpi4py" in r["stats"]:
             bandwidth = median(r, "mpi4py") / median(r, "ferrompi")
             lines.append(f"  allreduce bandwidth >= 1.3x raw MPI's at 16 MiB: {bandwidth:.2f}x")

@@ -352,7 +352,10 @@ class Plan:
 class CoalescedPlan:
     """A planned :func:`~ferrompi.allreduce_coalesced`: one planned allreduce of a fused
     buffer per dtype; each call packs the arrays (one ``numpy.concatenate`` per dtype,
-    no checks), reduces, and unpacks. Made by :func:`allreduce_coalesced_init`."""
+    no checks), reduces, and unpacks. Arrays reduced in place (``out=`` the arrays)
+    that are consecutive views of one buffer (``numpy.split`` of one array: a bucket)
+    are that fused buffer, reduced with no copy. Made by
+    :func:`allreduce_coalesced_init`."""
 
     op_name = "allreduce_coalesced_init"
 
@@ -392,23 +395,30 @@ class CoalescedPlan:
         self._xs, self._targets, self._sinks, self._direct = xs, targets, sinks, direct
         self._fused, self._plans, self._results = [], [], [None] * len(xs)
         for (_, total), members in zip(signature, groups.values(), strict=True):
-            fused = np.empty(total, xs[members[0]].dtype)
             parts = [xs[i] for i in members]
+            in_place = targets is not None and all(targets[i] is xs[i] for i in members)
+            fused = _bucket(parts, total) if in_place else None
+            packed = fused is None  # else the arrays are the fused buffer: nothing to copy
+            if packed:
+                fused = np.empty(total, xs[members[0]].dtype)
             ends = list(itertools.accumulate(x.size for x in parts))
-            self._fused.append((fused, parts, ends, members))
+            self._fused.append((fused, parts, ends, members, packed))
             self._plans.append(allreduce_init(fused, backend, op, out=fused, timeout=timeout))
             for i, x, end in zip(members, parts, ends, strict=True):
                 self._results[i] = fused[end - x.size : end].reshape(x.shape)
 
     def _pack(self) -> None:
-        for fused, parts, _, _ in self._fused:
-            np.concatenate(parts, axis=None, out=fused)
+        for fused, parts, _, _, packed in self._fused:
+            if packed:
+                np.concatenate(parts, axis=None, out=fused)
 
     def _unpack(self) -> list:
         if self._targets is None:
             return self._results  # views of the fused buffers
-        for fused, parts, ends, members in self._fused:
+        for fused, parts, ends, members, packed in self._fused:
             targets = [self._targets[i] for i in members]
+            if not packed and all(t is x for t, x in zip(targets, parts, strict=True)):
+                continue  # out= the arrays, which are the fused buffer: reduced in place
             sinks = [self._sinks[i] for i in members]
             _unpack(fused, parts, ends, targets, sinks, self._direct)
         return self._targets
@@ -468,7 +478,10 @@ def allreduce_coalesced_init(
     """Plan :func:`~ferrompi.allreduce_coalesced`: the same arguments, checked once.
 
     Collective over the group. Returns a :class:`CoalescedPlan`: call it at
-    every step, after refilling the arrays in place.
+    every step, after refilling the arrays in place. Arrays reduced in place
+    (``out=arrays``) that lie back to back in one buffer, as the views
+    ``numpy.split`` makes of one array (a gradient bucket), are reduced with
+    no packing or unpacking: one allreduce of that buffer.
 
     Examples
     --------
@@ -480,6 +493,14 @@ def allreduce_coalesced_init(
     ...         return [g.tolist() for g in reduce()]
     >>> fm.SimulatedBackend.run(2, f)[1]
     [[2.0, 2.0], [1.0, 1.0, 1.0]]
+    >>> def bucket(b):                       # views of one buffer, reduced in place
+    ...     grads = np.split(np.zeros(5), [2])
+    ...     with fm.allreduce_coalesced_init(grads, b, out=grads) as reduce:
+    ...         grads[0][:], grads[1][:] = b.rank, 1.0
+    ...         reduce()
+    ...     return [g.tolist() for g in grads]
+    >>> fm.SimulatedBackend.run(2, bucket)[0]
+    [[1.0, 1.0], [2.0, 2.0, 2.0]]
     """
     return CoalescedPlan(arrays, backend, op, group, out, timeout)
 
@@ -487,6 +508,28 @@ def allreduce_coalesced_init(
 #: Persistent requests still active when their plan was released (a call that timed
 #: out): MPI forbids freeing them, so they are kept, as the group is unusable anyway.
 _ABANDONED: list = []
+
+
+def _bucket(parts: list[np.ndarray], total: int) -> np.ndarray | None:
+    """The 1-d view of ``total`` elements that ``parts`` (one dtype) fill back to back,
+    in order, in one buffer (a bucket whose arrays are views of it, as torch's
+    ``gradient_as_bucket_view``), or None: then a call packs them."""
+    full = [x for x in parts if x.size]
+    if not full or not all(x.flags.c_contiguous for x in full):
+        return None
+    at = start = full[0].__array_interface__["data"][0]
+    for x in full:
+        if x.__array_interface__["data"][0] != at:
+            return None
+        at += x.nbytes
+    owner = full[0]
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    if not owner.flags.c_contiguous or not all(np.shares_memory(x, owner) for x in full):
+        return None
+    offset = start - owner.__array_interface__["data"][0]
+    flat = owner.reshape(-1).view(np.uint8)[offset : offset + total * full[0].itemsize]
+    return flat.view(full[0].dtype)
 
 
 def _free_request(req) -> None:

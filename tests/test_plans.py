@@ -145,6 +145,38 @@ def test_planned_allreduce_coalesced(group):
     group.run(_coalesced)
 
 
+def _bucket_views(b):
+    """Arrays that are consecutive views of one buffer, reduced in place, are that
+    buffer: the plan reduces it without packing. Other layouts are packed."""
+    r = b.rank
+    buffer = np.zeros(9)
+    bucket = np.split(buffer, [2, 2, 6])  # with an empty view
+    shuffled = [bucket[2], bucket[0], bucket[3]]  # views, but not in buffer order
+    copies = [np.zeros(a.shape) for a in bucket]
+    with (
+        fm.allreduce_coalesced_init(bucket, b, out=bucket) as in_bucket,
+        fm.allreduce_coalesced_init(shuffled, b, out=shuffled) as packed,
+        fm.allreduce_coalesced_init(copies, b, out=copies) as separate,
+    ):
+        for step in range(3):
+            buffer[:] = _data(r, step, buffer.shape)
+            for c, a in zip(copies, bucket, strict=True):
+                c[...] = a
+            want = fm.allreduce(buffer.copy(), b)
+            assert all(got is a for got, a in zip(in_bucket(), bucket, strict=True))
+            np.testing.assert_array_equal(buffer, want)  # the bucket's own memory
+            np.testing.assert_array_equal(np.concatenate(separate()), want)
+            buffer[:] = _data(r, step, buffer.shape)
+            packed()
+            np.testing.assert_array_equal(buffer, want)
+        assert [p for *_, p in in_bucket._fused] == [False]  # reduced where the views are
+        assert [p for *_, p in packed._fused] == [True]
+
+
+def test_a_bucket_of_views_is_reduced_in_place_without_packing(group):
+    group.run(_bucket_views)
+
+
 def _copied_inputs(b):
     """Inputs the call copies before sending (strided; aliased with out=): the plan
     copies them again at every call, so refilling them in place still counts."""
