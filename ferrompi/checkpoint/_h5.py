@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import CheckpointTensorError
 from ._format import FORMAT, VERSION, ShardMeta, TensorMeta
-from ._h5check import H5_ERRORS, LinkRefused, hard_object
+from ._h5check import H5_ERRORS, LinkRefused, dataset_problems
 from ._io import ALIGN, block_crcs, file_record, pread_into, read_outside, write_file
 
 __all__ = [
@@ -240,35 +240,11 @@ class ShardSource:
     @staticmethod
     def _dataset(f: h5py.File, tensor: TensorMeta, shard: ShardMeta, single: bool, extents):
         """``(dataset, offset)`` of the shard's dataset, checked against the metadata."""
-        ds = hard_object(f, shard.dataset)
-        if not isinstance(ds, h5py.Dataset):
-            raise CheckpointTensorError(f"{shard.dataset} is not a dataset")
-        expect = tensor.shape if single else shard.sizes
-        if ds.shape != tuple(expect) or ds.dtype != tensor.dtype:
-            raise CheckpointTensorError(
-                f"the dataset holds shape {ds.shape} dtype {ds.dtype}, metadata.json says shape "
-                f"{tuple(expect)} dtype {tensor.dtype}"
-            )
-        dcpl = ds.id.get_create_plist()
-        if dcpl.get_external_count():
-            names = [os.fsdecode(dcpl.get_external(i)[0]) for i in range(dcpl.get_external_count())]
-            raise CheckpointTensorError(
-                f"the dataset's data lives in external files ({names}); a checkpoint's data "
-                "lies in its own files"
-            )
-        offset = ds.id.get_offset()
-        if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or offset is None:
-            raise CheckpointTensorError(
-                "the dataset is not contiguous and allocated (it was rewritten by another "
-                "tool?); ferrompi reads the layout it writes (h5repack -l CONTI)"
-            )
-        nbytes = ds.id.get_storage_size()
-        if (offset, nbytes) not in extents:
-            raise CheckpointTensorError(
-                f"the dataset's data lies at bytes {offset}:{offset + nbytes} of the file, not "
-                f"where metadata.json records the file's data ({list(extents)[:8]})"
-            )
-        return ds, offset
+        shape = tensor.shape if single else shard.sizes
+        ds, problems = dataset_problems(f, shard.dataset, shape, tensor.dtype.str, extents)
+        if problems:
+            raise CheckpointTensorError(problems[0])
+        return ds, ds.id.get_offset()
 
     def read_rows(self, a: int, parts) -> None:
         """Consecutive rows from row ``a`` into the byte buffers ``parts``, in order.

@@ -4,26 +4,21 @@ HDF5 (the C library) parses a file's structure trusting it: a structure
 crafted to match its recorded checksum can crash the library (a segmentation
 fault in ``H5S__hyper_deserialize`` was found by ferrompi's hostile-input
 suite). Loads never need HDF5 to parse a file (see ``_h5.ShardSource``);
-:func:`~._load.verify_checkpoint` checks ``global.h5``'s datasets and virtual
-sources by running this file as a program, ``python -I _h5check.py``, which
-imports only h5py (not ferrompi, whose import would start MPI), so that a
-crash ends the child and is reported, not the caller. It reads a JSON
-request on stdin and writes a JSON list of problems on stdout.
-
-The request is ``{"path": ..., "tensors": [[name, shape, dtype, sources],
-...], "attributes": [[group, key], ...]}``, where ``sources`` is the
-``[file, dataset]`` list a tensor's virtual dataset must map (empty: a
-real dataset).
+:func:`~._load.verify_checkpoint` checks the HDF5 structure of every file by
+running this file as a program, ``python -I _h5check.py``, which imports
+only h5py (not ferrompi, whose import would start MPI), so that a crash ends
+the child and is reported, not the caller (see :func:`main`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import h5py
 
-__all__ = ["LinkRefused", "hard_object", "global_problems"]
+__all__ = ["H5_ERRORS", "LinkRefused", "hard_object", "dataset_problems", "file_problems"]
 
 #: What h5py raises when a file's HDF5 structure is damaged.
 H5_ERRORS = (OSError, RuntimeError, ValueError, KeyError, TypeError)
@@ -59,7 +54,7 @@ def hard_object(f: h5py.File, name: str) -> h5py.Group | h5py.Dataset:
             else:
                 kind, target = "a soft link", link.path
             raise LinkRefused(
-                f"{f.filename}: {name} goes through {kind} ({part!r} -> {target}); a "
+                f"{name} goes through {kind} ({part!r} -> {target}); a "
                 "checkpoint's HDF5 files hold their objects, not links"
             )
         node = node[part]
@@ -71,62 +66,125 @@ def _reached(f: h5py.File, name: str, problems: list[str]):
     try:
         return hard_object(f, name)
     except KeyError:
-        problems.append(f"{f.filename}: no object /{name}")
+        problems.append(f"no object /{name.lstrip('/')}")
     except LinkRefused as exc:
         problems.append(str(exc))
     return None
 
 
-def _tensor_problems(f: h5py.File, name: str, shape, dtype: str, sources) -> list[str]:
+def dataset_problems(f: h5py.File, name: str, shape, dtype: str, extents):
+    """``(dataset, problems)``: the contiguous dataset ``name`` of ``f`` checked against
+    what metadata.json says: its shape and dtype (``dtype.str``), its data in the
+    file itself (no external storage), allocated at one of ``extents`` (the
+    file's recorded ``(offset, bytes)`` data extents; None: not checked). The
+    dataset is None when it cannot be reached; each problem is one sentence.
+
+    Raises what h5py raises (:data:`H5_ERRORS`) on a damaged structure.
+    """
     problems: list[str] = []
     ds = _reached(f, name, problems)
     if ds is None:
-        return problems
+        return None, problems
     if not isinstance(ds, h5py.Dataset):
-        problems.append(f"{f.filename}: no dataset /{name}")
-    elif ds.shape != tuple(shape) or ds.dtype.str != dtype:
-        problems.append(
-            f"{f.filename}: /{name} has shape {ds.shape} dtype {ds.dtype.str}, metadata.json "
-            f"says {tuple(shape)} {dtype}"
-        )
-    elif sources:
-        found = (
-            sorted([v.file_name, v.dset_name] for v in ds.virtual_sources())
-            if ds.is_virtual
-            else []
-        )
-        if found != sorted(sources):
-            problems.append(
-                f"{f.filename}: /{name} is not a virtual dataset over its shards (its sources "
-                f"are {found[:8]})"
-            )
-    return problems
+        return None, [f"{name} is not a dataset"]
+    if ds.shape != tuple(shape) or ds.dtype.str != dtype:
+        return ds, [
+            f"the dataset holds shape {ds.shape} dtype {ds.dtype.str}, metadata.json says "
+            f"shape {tuple(shape)} dtype {dtype}"
+        ]
+    dcpl = ds.id.get_create_plist()
+    count = dcpl.get_external_count()
+    if count:
+        names = [os.fsdecode(dcpl.get_external(i)[0]) for i in range(count)]
+        return ds, [
+            f"the dataset's data lives in external files ({names}); a checkpoint's data lies "
+            "in its own files"
+        ]
+    offset = ds.id.get_offset()
+    if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or offset is None:
+        return ds, [
+            "the dataset is not contiguous and allocated (it was rewritten by another tool?); "
+            "ferrompi reads the layout it writes (h5repack -l CONTI)"
+        ]
+    nbytes = ds.id.get_storage_size()
+    if extents is not None and [offset, nbytes] not in [list(e) for e in extents]:
+        return ds, [
+            f"the dataset's data lies at bytes {offset}:{offset + nbytes} of the file, not "
+            f"where metadata.json records the file's data ({list(extents)[:8]})"
+        ]
+    return ds, []
 
 
-def global_problems(request: dict) -> list[str]:
-    """What is wrong with the HDF5 structure of the file ``request`` describes."""
+def _virtual_problems(ds, shape, dtype: str, sources) -> list[str]:
+    """The problems of a dataset of ``global.h5``: its shape and dtype, and when
+    ``sources`` are given, its being virtual over exactly them."""
+    if not isinstance(ds, h5py.Dataset):
+        return ["it is not a dataset"]
+    if ds.shape != tuple(shape) or ds.dtype.str != dtype:
+        return [
+            f"the dataset holds shape {ds.shape} dtype {ds.dtype.str}, metadata.json says "
+            f"shape {tuple(shape)} dtype {dtype}"
+        ]
+    if sources is None:
+        return []
+    mapped = ds.virtual_sources() if ds.is_virtual else []
+    found = sorted([v.file_name, v.dset_name] for v in mapped)
+    if found != sorted(sources):
+        return [f"it is not a virtual dataset over its shards (its sources are {found[:8]})"]
+    return []
+
+
+def file_problems(request: dict) -> list[str]:
+    """What is wrong with the HDF5 structure of one file, as :func:`main` is asked."""
     path, problems = request["path"], []
     try:
         f = h5py.File(path, "r")
     except H5_ERRORS as exc:
         return [f"{path} cannot be opened as HDF5 (damaged?): {exc}"]
     with f:
-        for name, shape, dtype, sources in request["tensors"]:
+        for name, shape, dtype, sources in request["datasets"]:
+            found: list[str] = []
+            at = f"/{name.lstrip('/')}: "
             try:
-                problems += _tensor_problems(f, name, shape, dtype, sources)
+                if sources == []:
+                    ds, found = dataset_problems(f, name, shape, dtype, request["extents"])
+                    if ds is not None:
+                        found = [at + p for p in found]
+                else:  # sources None: a copy outside the data (0-d, empty): shape and dtype
+                    ds = _reached(f, name, found)
+                    if ds is not None:
+                        found = [at + p for p in _virtual_problems(ds, shape, dtype, sources)]
             except H5_ERRORS as exc:
-                problems.append(f"{path}: /{name} cannot be read ({type(exc).__name__}: {exc})")
+                found = [f"/{name.lstrip('/')} cannot be read ({type(exc).__name__}: {exc})"]
+            problems += [f"{path}: {p}" for p in found]
         for group_name, key in request["attributes"]:
+            found = []
             try:
-                group = _reached(f, group_name, problems)
+                group = _reached(f, group_name, found)
                 if group is not None and key not in group.attrs:
-                    problems.append(f"{path}: no attribute {key!r} on /{group_name}")
+                    found.append(f"no attribute {key!r} on /{group_name}")
             except H5_ERRORS as exc:
-                problems.append(
-                    f"{path}: /{group_name} cannot be read ({type(exc).__name__}: {exc})"
-                )
+                found.append(f"/{group_name} cannot be read ({type(exc).__name__}: {exc})")
+            problems += [f"{path}: {p}" for p in found]
     return problems
 
 
+def main() -> None:
+    """Check the files of the JSON request on stdin; the problems, as JSON, on stdout.
+
+    The request is a list of ``{"path", "datasets": [[name, shape, dtype, sources]],
+    "extents", "attributes": [[group, key]]}``: ``sources`` ``[]`` ask for a
+    contiguous dataset at one of ``extents`` (:func:`dataset_problems`), a list
+    of ``[file, dataset]`` pairs for a virtual dataset over exactly them, None
+    for a dataset of that shape and dtype. Each file's path is written to
+    stderr before it is parsed, so that a crash names it.
+    """
+    problems = []
+    for request in json.load(sys.stdin):
+        print(request["path"], file=sys.stderr, flush=True)
+        problems += file_problems(request)
+    json.dump(problems, sys.stdout)
+
+
 if __name__ == "__main__":
-    json.dump(global_problems(json.load(sys.stdin)), sys.stdout)
+    main()

@@ -674,28 +674,47 @@ def verify_checkpoint(path) -> list[str]:
             except DistCheckpointError as exc:
                 problems.append(str(exc))
                 bad.update(s.file for s in t.shards)
-        if ckpt.layout == "per-rank" and GLOBAL not in bad:
-            problems += _check_global(ckpt, default_seconds())
+        problems += _check_structures(
+            ckpt, [name for name in ckpt.files if name not in bad], default_seconds()
+        )
     return problems
 
 
-def _check_global(ckpt: Checkpoint, seconds: float) -> list[str]:
-    """``global.h5`` (its bytes checked) holds every tensor and value.
+def _check_structures(ckpt: Checkpoint, files: list[str], seconds: float) -> list[str]:
+    """The HDF5 structure of ``files`` (their bytes checked): every shard's dataset,
+    reached by hard links, contiguous, where and what metadata.json records;
+    ``global.h5`` holding every tensor (virtual over its shards) and value.
 
-    HDF5 parses it in a child process (:mod:`._h5check`): a crafted structure
-    that crashes the library ends the child, and is reported as a problem.
+    HDF5 parses them in a child process (:mod:`._h5check`): a crafted structure
+    that crashes the library ends the child, and is reported as a problem of
+    the file it was parsing.
     """
-    path = ckpt.file_path(GLOBAL)
-    request = {
-        "path": path,
-        "tensors": [
-            [t.name, list(t.shape), t.dtype.str, [[s.file, s.dataset] for s in t.shards]]
-            if t.shape  # a 0-d tensor is a real dataset, a copy of rank 0's value
-            else [t.name, [], t.dtype.str, []]
-            for t in ckpt.tensors.values()
-        ],
-        "attributes": [list(name.rpartition("/")[::2]) for name in ckpt.objects],
-    }
+    datasets: dict[str, list] = {name: [] for name in files}
+    single = ckpt.layout == "single"
+    for t in ckpt.tensors.values():
+        if not single:
+            for sh in t.shards:
+                if sh.file in datasets:
+                    datasets[sh.file].append([sh.dataset, list(sh.sizes), t.dtype.str, []])
+        if GLOBAL in datasets:
+            if single and t.shards:
+                sources: list | None = []  # a real dataset, at one of the file's extents
+            elif t.shape and t.shards:
+                sources = [[sh.file, sh.dataset] for sh in t.shards]
+            else:
+                sources = None  # 0-d (a copy of rank 0's value) or empty
+            datasets[GLOBAL].append(["/" + t.name, list(t.shape), t.dtype.str, sources])
+    request = [
+        {
+            "path": ckpt.file_path(name),
+            "datasets": datasets[name],
+            "extents": [list(e) for e in ckpt.files[name].data],
+            "attributes": (
+                [list(o.rpartition("/")[::2]) for o in ckpt.objects] if name == GLOBAL else []
+            ),
+        }
+        for name in files
+    ]
     try:
         child = subprocess.run(
             [sys.executable, "-I", _h5check.__file__],
@@ -704,11 +723,14 @@ def _check_global(ckpt: Checkpoint, seconds: float) -> list[str]:
             text=True,
             timeout=seconds,
         )
-    except subprocess.TimeoutExpired:
-        return [f"{path}: HDF5 did not finish parsing its structure within {seconds} s"]
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        where = text.splitlines()[-1:] or [ckpt.path]
+        return [f"{where[0]}: HDF5 did not finish parsing it within {seconds} s"]
+    where = child.stderr.splitlines()[-1:] or [ckpt.path]
     if child.returncode < 0:
         return [
-            f"{path}: parsing its HDF5 structure crashed the HDF5 library "
+            f"{where[0]}: parsing its HDF5 structure crashed the HDF5 library "
             f"({signal.Signals(-child.returncode).name}): the file is crafted or damaged"
         ]
     try:
@@ -716,5 +738,5 @@ def _check_global(ckpt: Checkpoint, seconds: float) -> list[str]:
     except ValueError:
         problems = None
     if child.returncode or not isinstance(problems, list):
-        return [f"{path}: checking its HDF5 structure failed: {child.stderr[-400:]}"]
+        return [f"{where[0]}: checking its HDF5 structure failed: {child.stderr[-400:]}"]
     return [str(p) for p in problems]
