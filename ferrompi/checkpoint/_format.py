@@ -22,7 +22,6 @@ from ..errors import (
     CheckpointMetadataError,
     CheckpointSerializationError,
     CheckpointTensorError,
-    DistCheckpointError,
     MissingShard,
 )
 from ..ops import ReduceOp
@@ -238,8 +237,8 @@ def open_member(directory: str, name: str) -> int:
     FileNotFoundError
         No such file (callers raise their own error: ``MissingShard``...).
     CheckpointIOError
-        A file that is not regular, or that lies outside the directory; the
-        message names the file and what it is.
+        A file that is not regular, or that lies outside the directory (the
+        message names the file and what it is), or any other failure to open it.
 
     Examples
     --------
@@ -260,13 +259,20 @@ def open_member(directory: str, name: str) -> int:
             "checkpoint reads only its own files",
             path,
         )
-    what = _not_regular(os.stat(real).st_mode)
-    if what is None:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        what = _not_regular(os.fstat(fd).st_mode)  # replaced since the check?
+    fd = None
+    try:
+        what = _not_regular(os.stat(real).st_mode)
         if what is None:
-            os.set_blocking(fd, True)
-            return fd
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            what = _not_regular(os.fstat(fd).st_mode)  # replaced since the check?
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # permissions, a path through a file, ...
+        raise CheckpointIOError(f"opening {path}: {exc}", path) from exc
+    if what is None:
+        os.set_blocking(fd, True)
+        return fd
+    if fd is not None:
         os.close(fd)
     raise CheckpointIOError(
         f"{path} is {what}, not a regular file: a checkpoint's files are regular files", path
@@ -288,6 +294,9 @@ def read_member(directory: str, name: str, limit: int) -> bytes:
             while total <= limit and (piece := os.read(fd, limit + 1 - total)):
                 pieces.append(piece)
                 total += len(piece)
+    except OSError as exc:
+        path = os.path.join(directory, name)
+        raise CheckpointIOError(f"reading {path}: {exc}", path) from exc
     finally:
         os.close(fd)
     if total > limit:
@@ -573,10 +582,6 @@ class Checkpoint:
                 "finish (ferrompi renames a checkpoint into place only after committing it)",
                 marker_path,
             ) from None
-        except DistCheckpointError:
-            raise
-        except OSError as exc:
-            raise CheckpointIOError(f"reading {marker_path}: {exc}", marker_path) from exc
         if verify and text != commit_marker(self.raw):
             raise CheckpointMetadataError(
                 f"{marker_path} does not match metadata.json (size {len(self.raw)}, crc32 "
@@ -603,10 +608,6 @@ class Checkpoint:
             fd = open_member(self.path, name)
         except FileNotFoundError:
             raise MissingShard(path) from None
-        except DistCheckpointError:
-            raise
-        except OSError as exc:
-            raise CheckpointIOError(f"opening {path}: {exc}", path) from exc
         size, recorded = os.fstat(fd).st_size, self.files[name].nbytes
         if size != recorded:
             os.close(fd)
@@ -626,10 +627,9 @@ class Checkpoint:
         padding) have their recorded checksum; else :class:`CheckpointTensorError`.
         """
         meta = self.files[name]
-        where = f"{self.file_path(name)}"
-        size = meta.nbytes
+        where = self.file_path(name)
         try:
-            crc = outside_crc32(fd, size, meta.data)
+            crc = outside_crc32(fd, meta.nbytes, meta.data)
         except EOFError as exc:
             raise CheckpointTensorError(f"{where}: {exc}") from None
         if crc != meta.outside_data_crc32:
@@ -664,11 +664,6 @@ def open_checkpoint(path, *, verify: bool = True) -> Checkpoint:
         raise CheckpointIOError(
             f"reading checkpoint metadata {meta_path}: {what}", meta_path
         ) from None
-    except DistCheckpointError:
-        raise
-    except OSError as exc:
-        message = f"reading checkpoint metadata {meta_path}: {exc}"
-        raise CheckpointIOError(message, meta_path) from exc
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # ValueError: also ints of over 4300 digits

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import CheckpointTensorError
 from ._format import FORMAT, VERSION, ShardMeta, TensorMeta
-from ._h5check import H5_ERRORS, LinkRefused, dataset_problems
+from ._h5check import H5_ERRORS, dataset_problems
 from ._io import ALIGN, block_crcs, file_record, pread_into, read_outside, write_file
 
 __all__ = [
@@ -221,7 +221,7 @@ class ShardSource:
                 ds, offset = None, shard.data_offset
             else:
                 ds, offset = self._dataset(open_h5(), tensor, shard, single, extents)
-        except (CheckpointTensorError, LinkRefused) as exc:
+        except CheckpointTensorError as exc:
             raise CheckpointTensorError(f"{where}: {exc}") from None
         except H5_ERRORS as exc:  # HDF5 found its structure damaged
             raise CheckpointTensorError(

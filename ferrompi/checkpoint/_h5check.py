@@ -87,11 +87,9 @@ def dataset_problems(f: h5py.File, name: str, shape, dtype: str, extents):
         return None, problems
     if not isinstance(ds, h5py.Dataset):
         return None, [f"{name} is not a dataset"]
-    if ds.shape != tuple(shape) or ds.dtype.str != dtype:
-        return ds, [
-            f"the dataset holds shape {ds.shape} dtype {ds.dtype.str}, metadata.json says "
-            f"shape {tuple(shape)} dtype {dtype}"
-        ]
+    wrong = _holds(ds, shape, dtype)
+    if wrong:
+        return ds, wrong
     dcpl = ds.id.get_create_plist()
     count = dcpl.get_external_count()
     if count:
@@ -115,18 +113,24 @@ def dataset_problems(f: h5py.File, name: str, shape, dtype: str, extents):
     return ds, []
 
 
+def _holds(ds: h5py.Dataset, shape, dtype: str) -> list[str]:
+    """The problem of a dataset of another shape or dtype than metadata.json's, if any."""
+    if ds.shape == tuple(shape) and ds.dtype.str == dtype:
+        return []
+    return [
+        f"the dataset holds shape {ds.shape} dtype {ds.dtype.str}, metadata.json says "
+        f"shape {tuple(shape)} dtype {dtype}"
+    ]
+
+
 def _virtual_problems(ds, shape, dtype: str, sources) -> list[str]:
     """The problems of a dataset of ``global.h5``: its shape and dtype, and when
     ``sources`` are given, its being virtual over exactly them."""
     if not isinstance(ds, h5py.Dataset):
         return ["it is not a dataset"]
-    if ds.shape != tuple(shape) or ds.dtype.str != dtype:
-        return [
-            f"the dataset holds shape {ds.shape} dtype {ds.dtype.str}, metadata.json says "
-            f"shape {tuple(shape)} dtype {dtype}"
-        ]
-    if sources is None:
-        return []
+    wrong = _holds(ds, shape, dtype)
+    if wrong or sources is None:
+        return wrong
     mapped = ds.virtual_sources() if ds.is_virtual else []
     found = sorted([v.file_name, v.dset_name] for v in mapped)
     if found != sorted(sources):
@@ -150,7 +154,7 @@ def file_problems(request: dict) -> list[str]:
                     ds, found = dataset_problems(f, name, shape, dtype, request["extents"])
                     if ds is not None:
                         found = [at + p for p in found]
-                else:  # sources None: a copy outside the data (0-d, empty): shape and dtype
+                else:  # virtual over sources; None: a copy (0-d, empty), shape and dtype
                     ds = _reached(f, name, found)
                     if ds is not None:
                         found = [at + p for p in _virtual_problems(ds, shape, dtype, sources)]

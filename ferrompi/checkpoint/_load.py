@@ -134,9 +134,9 @@ class Reader:
         """The data file ``name`` opened by h5py (after :meth:`file` checked it).
 
         Only shards whose metadata does not record their data's offset
-        (checkpoints written before it was recorded), boxes of the single
-        layout that are not whole rows, and :func:`verify_checkpoint`'s check
-        of ``global.h5`` need HDF5 to parse a file's structure.
+        (checkpoints written before it was recorded) and boxes of the single
+        layout that are not whole rows need HDF5 to parse a file's structure
+        in this process (:func:`verify_checkpoint` parses them in a child).
         """
         f = self._h5.get(name)
         if f is None:
