@@ -193,17 +193,26 @@ def _exchange_rows(state, seconds: float, args: tuple) -> tuple:
 SELF_COPY_BYTES = 8192
 
 
-def alltoallv_call(state, x, buf, dt, scounts, sdispls, rcounts, rdispls) -> tuple:
+def alltoallv_call(
+    state, x, buf, dt, scounts, sdispls, rcounts, rdispls, copy_own: bool = True
+) -> tuple:
     """``(post, args, keep)`` of the ``Ialltoallv`` of ``x`` into ``buf`` (elements).
 
     A rank's own block, from :data:`SELF_COPY_BYTES` on host arrays, is
-    copied by this rank while MPI moves the others (:func:`_alltoallv_copying_own`).
+    copied by this rank while MPI moves the others (:func:`_alltoallv_copying_own`),
+    unless ``copy_own`` is false (a plan: the same call on every rank, which
+    MPI can hold as a persistent request).
     ``keep`` is what must stay alive until the request completes.
     """
     keep = (x, scounts, sdispls, rcounts, rdispls)
     me = state.rank
     own = int(scounts[me])
-    if own * x.itemsize >= SELF_COPY_BYTES and type(x) is _ndarray and type(buf) is _ndarray:
+    if (
+        copy_own
+        and own * x.itemsize >= SELF_COPY_BYTES
+        and type(x) is _ndarray
+        and type(buf) is _ndarray
+    ):
         scounts, rcounts = list(scounts), list(rcounts)
         scounts[me] = rcounts[me] = 0
         start, at = int(sdispls[me]), int(rdispls[me])

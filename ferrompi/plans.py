@@ -417,7 +417,7 @@ class CoalescedPlan:
             return self._results  # views of the fused buffers
         for fused, parts, ends, members, packed in self._fused:
             targets = [self._targets[i] for i in members]
-            if not packed and all(t is x for t, x in zip(targets, parts, strict=True)):
+            if not packed:
                 continue  # out= the arrays, which are the fused buffer: reduced in place
             sinks = [self._sinks[i] for i in members]
             _unpack(fused, parts, ends, targets, sinks, self._direct)

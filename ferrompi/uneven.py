@@ -331,11 +331,10 @@ def planned_uneven(state, seconds, layout, header, x, inline, kind, like, out, s
     )
     state.end(DONE)
     x = _separate(x, buf, out)
-    scounts, sdispls, rcounts, rdispls = _alltoallv_counts(send, received, row)
-    keep = (x, scounts, sdispls, rcounts, rdispls)
-    args = ([x, (scounts, sdispls), dt], [buf, (rcounts, rdispls), dt])
+    counts = _alltoallv_counts(send, received, row)
+    post, args, keep = alltoallv_call(state, x, buf, dt, *counts, copy_own=False)
     finish, keep = conclusion(result, buf, 0, keep, rkind)
-    return begin, None, state.comm.Ialltoallv, args, result, finish, keep, None
+    return begin, None, post, args, result, finish, keep, None
 
 
 def _separate(x: np.ndarray, buf, out) -> np.ndarray:
