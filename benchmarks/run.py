@@ -34,7 +34,9 @@ Implementations (every buffer allocated and touched before timing):
 Sizes are the bytes of each rank's input buffer (float32 elements, rounded
 up to a multiple of the number of ranks where the operation splits it).
 ``all_to_all_uneven`` sends rank ``r`` ``(r + j) % 3 + 1`` parts of ``n /
-(3 p)`` rows to rank ``j`` (``Alltoallv``); ``sendrecv`` exchanges with the
+(3 p)`` rows to rank ``j`` (``Alltoallv``); in ``all_gather_v`` and
+``reduce_scatter_v`` rank ``j`` holds ``j % 3 + 1`` parts of ``n / (2 p)``
+(``Allgatherv``, ``Reduce_scatter``); ``sendrecv`` exchanges with the
 neighbour ``rank ^ 1`` (for odd sizes, sends to the next rank of the ring
 and receives from the previous one);
 ``allreduce_coalesced`` reduces 100 arrays of 4 KiB, fused and as 100 calls.
@@ -117,6 +119,8 @@ OPS = [
     "reduce_scatter",
     "all_to_all",
     "all_to_all_uneven",
+    "all_gather_v",
+    "reduce_scatter_v",
     "sendrecv",
     "async_allreduce",
     "async_broadcast",
@@ -389,6 +393,28 @@ class Calls:
             tx, tout = self._tensor(x), self._tensor(out)
             calls["gloo"] = lambda: self.dist.all_to_all_single(tout, tx, recv, send)
         return calls
+
+    def _uneven_counts(self, nbytes: int) -> list[int]:
+        """Per-rank element counts 1, 2, 3, 1, ... times a unit: about ``nbytes`` in all."""
+        unit = max(1, nbytes // 4 // (2 * self.p))
+        return [(j % 3 + 1) * unit for j in range(self.p)]
+
+    def _all_gather_v(self, nbytes):
+        counts = self._uneven_counts(nbytes)
+        x, out = self._arrays(counts[self.rank], sum(counts))
+        c = self.comm
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.all_gather_v(x, counts, w, out=out))
+        calls["mpi4py"] = lambda: c.Allgatherv(x, [out, (counts, displs)])
+        return self._plan(calls, fm.all_gather_v_init(x, counts, self.world, out=out))
+
+    def _reduce_scatter_v(self, nbytes):
+        counts = self._uneven_counts(nbytes)
+        x, out = self._arrays(sum(counts), counts[self.rank])
+        c = self.comm
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.reduce_scatter_v(x, counts, w, out=out))
+        calls["mpi4py"] = lambda: c.Reduce_scatter(x, out, counts, MPI.SUM)
+        return self._plan(calls, fm.reduce_scatter_v_init(x, counts, self.world, out=out))
 
     def _sendrecv(self, nbytes):
         p, r = self.p, self.rank

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import datatype_of, kind_of, output
+from ._arrays import datatype_of, kind_of, output, overlaps
 from ._call import conclusion, run
 from ._dtypes import mpi_op, torch_reduce_op
-from ._status_board import OPCODE
+from ._status_board import DONE, OPCODE
 from .backend import Backend
 from .errors import InvalidArgument
 from .ops import ReduceOp
@@ -49,21 +49,27 @@ def row_size(x) -> int:
 
 
 def gather_rows(
-    x: np.ndarray, counts, backend: Backend, timeout: Timeout = None, blocking: bool = True
+    x: np.ndarray,
+    counts,
+    backend: Backend,
+    timeout: Timeout = None,
+    blocking: bool = True,
+    out=None,
 ):
     """:func:`~ferrompi.all_gather_v` without the exchange: one ``Iallgatherv``.
 
     ``blocking=False`` returns the :class:`~ferrompi.PendingCollective`
     (FSDP's prefetch). Every rank must pass the same ``counts`` with
     ``x.shape[0] == counts[rank]``; a rank whose rows do not match raises
-    :class:`~ferrompi.InvalidArgument` locally.
+    :class:`~ferrompi.InvalidArgument` locally, as does an ``out`` that is
+    not of ``sum(counts)`` rows like ``x``'s.
     """
-    return run(backend, _ALL_GATHER_V, timeout, blocking, _gather_rows, (x, counts))
+    return run(backend, _ALL_GATHER_V, timeout, blocking, _gather_rows, (x, counts, out))
 
 
 def _gather_rows(state, seconds: float, args: tuple) -> tuple:
     """The prepared call of :func:`gather_rows` (:mod:`ferrompi._call`)."""
-    x, counts = args
+    x, counts, out = args
     name = "all_gather_v"
     kind = kind_of(x)
     like, x = x, kind.input(x, name, state.comm)
@@ -73,20 +79,22 @@ def _gather_rows(state, seconds: float, args: tuple) -> tuple:
             f"{name}: this rank has {x.shape[0] if x.ndim else 0} rows, counts say "
             f"{int(counts[state.rank])}"
         )
-    post, args, result, finish, keep = gathered_rows(state, kind, like, x, counts)
+    post, args, result, finish, keep = gathered_rows(state, kind, like, x, counts, out)
     return (-1, x.shape, x.dtype, None, -1), None, post, args, result, finish, keep, None
 
 
-def gathered_rows(state, kind, like, x, counts: np.ndarray) -> tuple:
+def gathered_rows(state, kind, like, x, counts: np.ndarray, out=None) -> tuple:
     """``(post, args, result, finish, keep)``: the ``Iallgatherv`` of ``x``'s rows by ``counts``.
 
     ``kind`` is the input's :class:`~ferrompi._arrays.ArrayKind` and
-    ``like`` the caller's input (the result is a new array like it).
+    ``like`` the caller's input: the result is ``out``, or a new array like
+    ``like``.
     """
     name = "all_gather_v"
     dt = datatype_of(x, name)
     shape = (int(counts.sum()), *x.shape[1:])
-    result, buf, rkind = output(kind, like, None, shape, x.dtype, name, state.comm)
+    result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
+    x = _apart(x, buf, out)
     rcounts = counts * row_size(x)
     displs = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
     finish, keep = conclusion(result, buf, 0, (x, rcounts, displs), rkind)
@@ -94,14 +102,23 @@ def gathered_rows(state, kind, like, x, counts: np.ndarray) -> tuple:
     return state.comm.Iallgatherv, args, result, finish, keep
 
 
+def _apart(x, buf, out):
+    """``x``, copied if the caller's ``out`` overlaps it (MPI forbids aliased buffers)."""
+    return x.copy() if out is not None and overlaps(x, buf) else x
+
+
 # ---------------------------------------------------------------------------
 # reduce, then scatter
 # ---------------------------------------------------------------------------
 
 
-def reduce_rows(x, counts, backend: Backend, op: ReduceOp = ReduceOp.SUM, timeout: Timeout = None):
+def reduce_rows(
+    x, counts, backend: Backend, op: ReduceOp = ReduceOp.SUM, timeout: Timeout = None, out=None
+):
     """:func:`~ferrompi.reduce_scatter_v` without comparing the counts: one ``Ireduce_scatter``."""
-    return run(backend, _REDUCE_SCATTER_V, timeout, True, scattered_rows, (x, counts, op, None))
+    return run(
+        backend, _REDUCE_SCATTER_V, timeout, True, scattered_rows, (x, counts, op, None, out)
+    )
 
 
 def scattered_rows(state, seconds: float, args: tuple) -> tuple:
@@ -109,9 +126,9 @@ def scattered_rows(state, seconds: float, args: tuple) -> tuple:
 
     ``check``, if given, is a step run before the ``Ireduce_scatter``, as
     ``check(state, counts, seconds)`` (:mod:`ferrompi.uneven` compares the
-    ranks' counts there).
+    ranks' counts there). The result is ``out`` when given.
     """
-    x, counts, op, check = args
+    x, counts, op, check, out = args
     name = "reduce_scatter_v"
     kind = kind_of(x)
     like, x = x, kind.input(x, name, state.comm)
@@ -126,7 +143,8 @@ def scattered_rows(state, seconds: float, args: tuple) -> tuple:
             f"has {x.shape[0] if x.ndim else 0}"
         )
     shape = (int(counts[state.rank]), *x.shape[1:])
-    result, buf, rkind = output(kind, like, None, shape, x.dtype, name, state.comm)
+    result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
+    x = _apart(x, buf, out)
     rcounts = counts * row_size(x)
     finish, keep = conclusion(result, buf, state.size if mean else 0, (x, rcounts), rkind)
     args = ([x, x.size, dt], [buf, buf.size, dt], rcounts, mop)
@@ -140,6 +158,17 @@ def scattered_rows(state, seconds: float, args: tuple) -> tuple:
 def _checked_reduce_scatter(check, state, counts: np.ndarray, seconds: float, args: tuple):
     check(state, counts, seconds)
     return state.comm.Ireduce_scatter(*args)
+
+
+def planned_reduce_scatter(parts: tuple) -> tuple:
+    """The checked reduce-scatter's parts, planned (:mod:`ferrompi.plans`): the check
+    runs once, now, in a record of its own, and the call becomes the plain
+    ``Ireduce_scatter``, which every rank can make a persistent request."""
+    check, state, counts, seconds, args = parts[3]
+    state.begin(_REDUCE_SCATTER_V, parts[0], seconds)
+    check(state, counts, seconds)  # raises on every rank when the counts differ
+    state.end(DONE)
+    return (*parts[:2], state.comm.Ireduce_scatter, args, *parts[4:])
 
 
 # ---------------------------------------------------------------------------

@@ -752,7 +752,8 @@ def all_gather_into_tensor(
             )
         out = out.reshape(backend.world_size * shape[0], *shape[1:])  # a view: contiguous
     got = all_gather(input_tensor, backend, async_op=async_op, out=out, timeout=timeout)
-    return got if async_op else output_tensor
+    # out itself once done; else the pending operation (or a plan's parts: ferrompi.plans)
+    return output_tensor if got is out else got
 
 
 def async_all_gather(

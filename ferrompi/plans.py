@@ -53,12 +53,14 @@ from ._arrays import TORCH, kind_of, numpy_view
 from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
 from ._mpi import MPI
 from ._progress import PendingCollective, complete, mpi_error, one_pending, timeout_seconds
+from ._rows import _checked_reduce_scatter, planned_reduce_scatter
 from ._status_board import DONE, FAILED, OPCODE, OPS
 from .backend import Backend
 from .collectives import (
     _targets,
     _unpack,
     all_gather,
+    all_gather_into_tensor,
     all_to_all,
     allreduce,
     barrier,
@@ -71,7 +73,17 @@ from .ops import ReduceOp
 from .p2p import _persistent_sendrecv, _post_sendrecv, irecv, send, sendrecv
 from .rooted import gather, reduce, scatter
 from .typing import Timeout
-from .uneven import _uneven_steps, all_to_all_single_uneven, planned_uneven
+from .uneven import (
+    _all_gather_v_steps,
+    _uneven_steps,
+    all_gather_v,
+    all_to_all_single,
+    all_to_all_single_uneven,
+    all_to_all_v,
+    planned_all_gather_v,
+    planned_uneven,
+    reduce_scatter_v,
+)
 
 __all__ = [
     "Plan",
@@ -83,6 +95,12 @@ __all__ = [
     "reduce_scatter_init",
     "all_to_all_init",
     "all_to_all_single_uneven_init",
+    "all_to_all_single_init",
+    "all_to_all_v_init",
+    "all_gather_v_init",
+    "reduce_scatter_v_init",
+    "all_gather_into_tensor_init",
+    "reduce_scatter_tensor_init",
     "reduce_init",
     "gather_init",
     "scatter_init",
@@ -167,13 +185,12 @@ class Plan:
         try:
             self._x = None if x is None else _host_view(x, name)
             parts = prepare(state, seconds, args)
-            self._stage = self._staging(parts)
-            steps = _PLANNED_STEPS.get(parts[2]) if parts[7] is STEPS else None
-            init = (
-                _persistent_init(state.comm, parts)
-                if steps is None
-                else getattr(state.comm, steps[1], None)
-            )
+            steps = _PLANNED_STEPS.get(parts[2])
+            if steps is None:
+                self._stage = self._staging(parts)
+                init = _persistent_init(state.comm, parts)
+            else:
+                init = getattr(state.comm, steps[1], None)
         except FerrompiError as exc:  # told to the other ranks in the agreement below
             local = exc
         persist = init is not None
@@ -182,7 +199,7 @@ class Plan:
         if local is not None:
             raise local
         if steps is not None:  # their exchange now, once (collective): then a plain call
-            parts = steps[0](*parts[3])
+            parts = steps[0](parts)
             self._stage = self._staging(parts)
             init = _persistent_init(state.comm, parts)
         route, post_args = parts[1], parts[3]
@@ -543,10 +560,15 @@ def _free_request(req) -> None:
         _ABANDONED.append(req)
 
 
-#: Steps that a plan runs once, when it is made: ``steps: (plan_steps, init)``, where
-#: ``plan_steps(*post_args)`` exchanges what the steps would at each call and returns
-#: the parts of the plain call left, whose persistent form is ``comm.<init>``.
-_PLANNED_STEPS = {_uneven_steps: (planned_uneven, "Alltoallv_init")}
+#: Steps that a plan runs once, when it is made: ``post: (plan_steps, init)``, where
+#: ``plan_steps(parts)`` exchanges (or checks) what the call's ``post`` would at each
+#: call and returns the parts of the plain call left, whose persistent form is
+#: ``comm.<init>``.
+_PLANNED_STEPS = {
+    _uneven_steps: (planned_uneven, "Alltoallv_init"),
+    _all_gather_v_steps: (planned_all_gather_v, "Allgatherv_init"),
+    _checked_reduce_scatter: (planned_reduce_scatter, "Reduce_scatter_init"),
+}
 
 
 def _persistent_init(comm, parts: tuple):
@@ -566,8 +588,14 @@ def _collective(opcode: int) -> bool:
     return OPS[opcode] not in ("send", "isend", "irecv", "recv", "recv_into", "sendrecv")
 
 
-def _planner(call: Callable, name: str, reads_input: bool = True) -> Callable[..., Plan]:
-    """``call``'s plan maker ``name``: the same arguments (no ``async_op``), a :class:`Plan`."""
+def _planner(
+    call: Callable, name: str, reads: tuple[int, str] | None = (0, "x")
+) -> Callable[..., Plan]:
+    """``call``'s plan maker ``name``: the same arguments (no ``async_op``), a :class:`Plan`.
+
+    ``reads``: the position and name of the argument the call reads at every
+    call (its input), or None.
+    """
 
     @functools.wraps(call)
     def plan(*args, timeout: Timeout = None, **kwargs) -> Plan:
@@ -576,7 +604,10 @@ def _planner(call: Callable, name: str, reads_input: bool = True) -> Callable[..
         planning = Planning(timeout)
         if call(*args, timeout=planning, **kwargs) is not planning:
             raise InvalidArgument(f"{name}: these arguments make no call to plan")
-        x = (args[0] if args else kwargs.get("x")) if reads_input else None
+        x = None
+        if reads is not None:
+            at, keyword = reads
+            x = args[at] if len(args) > at else kwargs.get(keyword)
         return Plan(planning, name, x)
 
     plan.__name__ = plan.__qualname__ = name
@@ -597,7 +628,16 @@ all_to_all_single_uneven_init = _planner(all_to_all_single_uneven, "all_to_all_s
 reduce_init = _planner(reduce, "reduce_init")
 gather_init = _planner(gather, "gather_init")
 scatter_init = _planner(scatter, "scatter_init")
-barrier_init = _planner(barrier, "barrier_init", reads_input=False)
+barrier_init = _planner(barrier, "barrier_init", reads=None)
 send_init = _planner(send, "send_init")
-recv_init = _planner(irecv, "recv_init", reads_input=False)
+recv_init = _planner(irecv, "recv_init", reads=None)
 sendrecv_init = _planner(sendrecv, "sendrecv_init")
+all_gather_v_init = _planner(all_gather_v, "all_gather_v_init")
+reduce_scatter_v_init = _planner(reduce_scatter_v, "reduce_scatter_v_init")
+all_to_all_v_init = _planner(all_to_all_v, "all_to_all_v_init")
+all_to_all_single_init = _planner(all_to_all_single, "all_to_all_single_init", (1, "input"))
+all_gather_into_tensor_init = _planner(
+    all_gather_into_tensor, "all_gather_into_tensor_init", (1, "input_tensor")
+)
+#: torch's newer name of :func:`reduce_scatter_init` (``reduce_scatter_tensor``).
+reduce_scatter_tensor_init = reduce_scatter_init

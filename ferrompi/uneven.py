@@ -316,7 +316,7 @@ def _alltoallv_counts(send: list[int], received: list[int], row: int) -> tuple:
     return scounts, sdispls, rcounts, rdispls
 
 
-def planned_uneven(state, seconds, layout, header, x, inline, kind, like, out, send, row, dt):
+def planned_uneven(parts: tuple) -> tuple:
     """The uneven all-to-all's steps, planned (:mod:`ferrompi.plans`).
 
     The split tables are exchanged and checked once, now (a record of their
@@ -324,7 +324,8 @@ def planned_uneven(state, seconds, layout, header, x, inline, kind, like, out, s
     fixed counts: the prepared call's parts, ``wait`` None, which every rank
     can make a persistent ``Alltoallv_init``.
     """
-    begin = (-1, x.shape, x.dtype, None, -1)
+    begin = parts[0]
+    state, seconds, layout, header, x, _inline, kind, like, out, send, row, dt = parts[3]
     state.begin(_UNEVEN, begin, seconds)
     received, _, result, buf, rkind = _exchange_tables(
         state, seconds, layout, header, x, -1, kind, like, out
@@ -574,8 +575,9 @@ def all_gather_v(
     backend: Backend | None = None,
     *,
     group: Backend | None = None,
+    out=None,
     timeout: Timeout = None,
-) -> np.ndarray:
+):
     """Concatenate along axis 0 rows of different counts (``Iallgatherv``).
 
     ``counts[r]`` is the number of rows rank ``r`` contributes. The ranks
@@ -593,21 +595,30 @@ def all_gather_v(
         take them from the exchange.
     backend : Backend
         The group.
+    group : Backend, optional
+        torch's name of the group (give it or ``backend``).
+    out : array, optional
+        Where to write the result: ``sum(counts)`` rows like ``x``'s, of its
+        dtype (numpy, torch or cupy).
     timeout : float or datetime.timedelta, optional
         Deadline for completion.
 
     Returns
     -------
     numpy.ndarray or cupy.ndarray
-        Every rank's rows, rank 0's first: shape ``(sum(counts), *x.shape[1:])``.
+        Every rank's rows, rank 0's first: shape ``(sum(counts), *x.shape[1:])``
+        (``out`` itself when given).
 
     Raises
     ------
     InvalidArgument
-        Before communicating, for a 0-d input or counts of the wrong length
-        or sign; after the exchange, on every rank, when a rank's row count
-        differs from ``counts`` or ranks disagree on the row shape or dtype
-        (the message names each rank and its numbers).
+        Before communicating, for a 0-d input, counts of the wrong length
+        or sign, or an ``out`` of another dtype or row shape (or, with
+        ``counts`` given, other than ``sum(counts)`` rows); after the
+        exchange, on every rank, when a rank's row count differs from
+        ``counts``, a rank's ``out`` has not the rows gathered, or ranks
+        disagree on the row shape or dtype (the message names each rank and
+        its numbers).
 
     Examples
     --------
@@ -619,12 +630,12 @@ def all_gather_v(
     """
     if group is not None:
         backend = group_of(backend, group, _ALL_GATHER_V)
-    return run(backend, _ALL_GATHER_V, timeout, True, _all_gather_v, (x, counts))
+    return run(backend, _ALL_GATHER_V, timeout, True, _all_gather_v, (x, counts, out))
 
 
 def _all_gather_v(state, seconds: float, args: tuple) -> tuple:
     """The prepared call of :func:`all_gather_v` (:mod:`ferrompi._call`)."""
-    x, counts = args
+    x, counts, out = args
     name = "all_gather_v"
     size = state.size
     kind = kind_of(x)
@@ -633,15 +644,18 @@ def _all_gather_v(state, seconds: float, args: tuple) -> tuple:
     if x.ndim == 0:
         raise InvalidArgument(f"{name}: the input is 0-d; it needs an axis 0 of rows")
     given = None if counts is None else row_counts(counts, size, name)
-    # header: rows, elements per row, dtype, ndim, then this rank's counts (-1: none given)
-    header = np.full(4 + size, -1, dtype=np.int64)
-    header[0] = x.shape[0]
-    header[1] = row_size(x)
-    header[2] = dtype_code(x.dtype)
-    header[3] = x.ndim
+    out_rows = -1 if out is None else _out_rows(out, x, name)
+    if given is not None and out_rows >= 0 and out_rows != given.sum():
+        raise InvalidArgument(
+            f"{name}: out has {out_rows} rows but counts {given.tolist()} sum to {given.sum()}"
+        )
+    # header: rows, elements per row, dtype, ndim, out's rows (-1: no out), then this
+    # rank's counts (-1: none given)
+    header = np.full(_V_FIXED + size, -1, dtype=np.int64)
+    header[:_V_FIXED] = (x.shape[0], row_size(x), dtype_code(x.dtype), x.ndim, out_rows)
     if given is not None:
-        header[4:] = given
-    args = (state, seconds, header, kind, like, x)
+        header[_V_FIXED:] = given
+    args = (state, seconds, header, kind, like, x, out)
     return (
         (-1, x.shape, x.dtype, None, -1),
         None,
@@ -654,17 +668,43 @@ def _all_gather_v(state, seconds: float, args: tuple) -> tuple:
     )
 
 
-def _all_gather_v_steps(state, seconds: float, header, kind, like, x) -> tuple:
+#: The all-gather-v header's fixed words: rows, elements per row, dtype, ndim, out's rows.
+_V_FIXED = 5
+
+
+def _all_gather_v_steps(state, seconds: float, header, kind, like, x, out) -> tuple:
     """All-gather-v after its checks: the header exchange, then the rows (``STEPS``)."""
+    post, args, result, finish, keep = _gathered_v(state, seconds, header, kind, like, x, out)
+    return post(*args), result, finish, keep
+
+
+def planned_all_gather_v(parts: tuple) -> tuple:
+    """All-gather-v's steps, planned (:mod:`ferrompi.plans`): the headers are
+    exchanged and checked once, now (a record of their own on the status
+    board), and the call becomes an ``Iallgatherv`` of fixed counts, which every
+    rank can make a persistent ``Allgatherv_init``."""
+    state, seconds = parts[3][:2]
+    state.begin(_ALL_GATHER_V, parts[0], seconds)
+    post, args, result, finish, keep = _gathered_v(*parts[3])
+    state.end(DONE)
+    return parts[0], None, post, args, result, finish, keep, None
+
+
+def _gathered_v(state, seconds: float, header, kind, like, x, out) -> tuple:
+    """The headers exchanged and checked (raising on every rank if they do not
+    fit), then the parts of the ``Iallgatherv`` (:func:`~ferrompi._rows.gathered_rows`)."""
     name = "all_gather_v"
     seq = state.seq
+    fixed = _V_FIXED
     if state.size < PAIRWISE_CHECK_FROM:
         table = _gather_words(state, _ALL_GATHER_V, seq, header, header.size, seconds)
-    else:  # the counts are checked where they were given: O(p) words a rank
-        table = _gather_words(state, _ALL_GATHER_V, seq, header, 4, seconds)
-        mine = header[4:]
-        misfit = (table[:, 1:] != header[1:4]).any() or (
-            mine[0] >= 0 and (mine != table[:, 0]).any()
+    else:  # the counts and out are checked where they were given: O(p) words a rank
+        table = _gather_words(state, _ALL_GATHER_V, seq, header, fixed, seconds)
+        mine, out_rows = header[fixed:], header[fixed - 1]
+        misfit = (
+            (table[:, 1 : fixed - 1] != header[1 : fixed - 1]).any()
+            or (mine[0] >= 0 and (mine != table[:, 0]).any())
+            or (out_rows >= 0 and out_rows != table[:, 0].sum())
         )
         if _anywhere(state, _ALL_GATHER_V, seq, misfit, seconds):
             table = _gather_words(state, _ALL_GATHER_V, seq, header, header.size, seconds)
@@ -673,11 +713,10 @@ def _all_gather_v_steps(state, seconds: float, header, kind, like, x) -> tuple:
         state.end(FAILED)
         raise InvalidArgument(f"{name}: the ranks' rows do not fit: " + "; ".join(problems))
     try:
-        post, args, result, finish, keep = gathered_rows(state, kind, like, x, table[:, 0])
+        return gathered_rows(state, kind, like, x, table[:, 0], out)
     except FerrompiError:
         state.end(FAILED)
         raise
-    return post(*args), result, finish, keep
 
 
 def _gather_words(state, opcode: int, seq: int, words, width: int, timeout) -> np.ndarray:
@@ -699,9 +738,10 @@ def _anywhere(state, opcode: int, seq: int, flag: bool, timeout) -> bool:
 def _gather_problems(table: np.ndarray) -> list[str]:
     """Every disagreement in the gathered all_gather_v headers, the same on every rank.
 
-    A table of 4 columns (the pairwise check found no misfit) has no counts to compare.
+    A table of :data:`_V_FIXED` columns (the pairwise check found no misfit) has no
+    counts to compare.
     """
-    rows, row, dtypes, ndims = table[:, 0], table[:, 1], table[:, 2], table[:, 3]
+    rows, row, dtypes, ndims, outs = (table[:, i] for i in range(_V_FIXED))
     if (row != row[0]).any() or (dtypes != dtypes[0]).any() or (ndims != ndims[0]).any():
         each = ", ".join(
             f"rank {r}: {int(ndims[r])}-d, {int(row[r])} elements of "
@@ -709,8 +749,13 @@ def _gather_problems(table: np.ndarray) -> list[str]:
             for r in range(len(table))
         )
         return [f"ranks disagree on the row shape or dtype (rows of {each})"]
-    problems = []
-    for r, claimed in enumerate(table[:, 4:] if table.shape[1] > 4 else ()):
+    total = int(rows.sum())
+    problems = [
+        f"rank {r}'s out has {int(outs[r])} rows but the ranks hold {total}"
+        for r in range(len(table))
+        if 0 <= outs[r] != total
+    ]
+    for r, claimed in enumerate(table[:, _V_FIXED:] if table.shape[1] > _V_FIXED else ()):
         if claimed[0] < 0:
             continue
         wrong = [j for j in range(len(table)) if claimed[j] != rows[j]]
@@ -729,6 +774,7 @@ def reduce_scatter_v(
     op: ReduceOp = ReduceOp.SUM,
     *,
     group: Backend | None = None,
+    out=None,
     timeout: Timeout = None,
 ):
     """Reduce across ranks, then rank ``r`` keeps the next ``counts[r]`` rows (``Ireduce_scatter``).
@@ -737,13 +783,16 @@ def reduce_scatter_v(
     ranks first compare their counts (one ``Iallreduce`` of ``2 p`` words),
     so counts that differ raise on every rank instead of scattering rows
     that MPI would reduce and cut at different places on different ranks.
+    The result is written into ``out`` when given (``counts[rank]`` rows
+    like ``x``'s, of its dtype), and returned.
 
     Raises
     ------
     InvalidArgument
-        Before communicating, when ``counts`` do not sum to ``x.shape[0]``;
-        after the comparison, on every rank, when ranks passed different
-        counts (the message gives each rank's).
+        Before communicating, when ``counts`` do not sum to ``x.shape[0]``
+        or ``out`` is not of this rank's rows; after the comparison, on
+        every rank, when ranks passed different counts (the message gives
+        each rank's).
 
     Examples
     --------
@@ -754,7 +803,12 @@ def reduce_scatter_v(
     if group is not None:
         backend = group_of(backend, group, _REDUCE_SCATTER_V)
     return run(
-        backend, _REDUCE_SCATTER_V, timeout, True, scattered_rows, (x, counts, op, _same_counts)
+        backend,
+        _REDUCE_SCATTER_V,
+        timeout,
+        True,
+        scattered_rows,
+        (x, counts, op, _same_counts, out),
     )
 
 
@@ -785,8 +839,9 @@ def all_to_all_v(
     backend: Backend | None = None,
     *,
     group: Backend | None = None,
+    out=None,
     timeout: Timeout = None,
-) -> np.ndarray:
+):
     """All-to-all of rows with both count tables given (``Ialltoallv``).
 
     :func:`all_to_all_single_uneven` with ``recv_splits`` given, under the
@@ -803,5 +858,5 @@ def all_to_all_v(
     [array([ 0, 10, 11]), array([1])]
     """
     return all_to_all_single_uneven(
-        x, send_counts, recv_counts, backend, group=group, timeout=timeout
+        x, send_counts, recv_counts, backend, group=group, out=out, timeout=timeout
     )

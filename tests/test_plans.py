@@ -110,6 +110,62 @@ def test_planned_uneven_all_to_all_exchanges_its_tables_once(group):
     group.run(_uneven_plans)
 
 
+def _row_count_plans(b):
+    """all_gather_v / reduce_scatter_v / all_to_all_v plans (and torch's names) check the
+    ranks' counts once, when planned, then run as the plain call with out= each step."""
+    n, r = b.world_size, b.rank
+    counts = [j + 1 for j in range(n)]  # rank j holds j + 1 rows
+    x = np.empty((r + 1, 2))
+    gathered = np.empty((sum(counts), 2))
+    y = np.empty((sum(counts), 3))
+    mine = np.empty((r + 1, 3))
+    sends = [(r + j) % 3 for j in range(n)]
+    recvs = [(j + r) % 3 for j in range(n)]
+    z, z_out = np.empty(sum(sends)), np.empty(sum(recvs))
+    with (
+        fm.all_gather_v_init(x, counts, b, out=gathered) as given,
+        fm.all_gather_v_init(x, None, b) as learned,  # counts taken from the exchange
+        fm.reduce_scatter_v_init(y, counts, b, fm.ReduceOp.MEAN, out=mine) as scatter,
+        fm.all_to_all_v_init(z, sends, recvs, b) as exchange,
+        fm.all_to_all_single_init(z_out, z, recvs, sends, group=b) as torch_named,
+    ):
+        for step in range(3):
+            x[...] = _data(r, step, x.shape)
+            y[...] = _data(r, step, y.shape)
+            z[...] = _data(r, step, z.shape)
+            want = fm.all_gather_v(x.copy(), counts, b)
+            assert given() is gathered
+            np.testing.assert_array_equal(gathered, want)
+            np.testing.assert_array_equal(learned(), want)
+            want = fm.reduce_scatter_v(y.copy(), counts, b, fm.ReduceOp.MEAN)
+            assert scatter.start().wait() is mine
+            np.testing.assert_array_equal(mine, want)
+            want = fm.all_to_all_v(z.copy(), sends, recvs, b)
+            np.testing.assert_array_equal(exchange(), want)
+            torch_named()
+            np.testing.assert_array_equal(z_out, want)
+    stacked, part = np.empty((n, 2)), np.empty(2)
+    with fm.all_gather_into_tensor_init(stacked, part, b) as gather:
+        part[...] = r
+        gather()
+        np.testing.assert_array_equal(
+            stacked, np.repeat(np.arange(n, dtype=float), 2).reshape(n, 2)
+        )
+    if n > 1:  # counts that differ: every rank raises, with each rank's counts, at planning
+        with pytest.raises(fm.InvalidArgument, match=r"different counts \(rank 0: "):
+            fm.reduce_scatter_v_init(y, counts if r else counts[::-1], b)
+        odd = np.empty((n + (r == 0), 2))  # rank 0's out has a row too many
+        with pytest.raises(
+            fm.InvalidArgument, match=f"rank 0's out has {n + 1} rows but the ranks hold {n}"
+        ):
+            fm.all_gather_v_init(np.ones((1, 2)), None, b, out=odd)
+        np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, n))
+
+
+def test_row_count_plans_check_their_counts_once(group):
+    group.run(_row_count_plans)
+
+
 def _coalesced(b):
     n, r = b.world_size, b.rank
     arrays = [np.empty(3), np.empty((2, 2), np.float32), np.empty(5), np.empty(0)]
