@@ -186,6 +186,19 @@ def _fsdp_train(b, strategy, kind):
     assert report["optimizer_state"] == per_shard_state * report["param_shards"]
     if strategy is ShardingStrategy.FULL_SHARD and n > 1:
         assert report["peak_gathered"] <= 8 * 66  # both units at most (prefetch)
+    # the planned collectives' buffers: the gradient packing buffer (the largest unit,
+    # 42 parameters) and its reduced shard; FULL_SHARD's two gather slots of the
+    # largest unit, the strategies that keep units gathered one buffer per unit
+    widest = max(
+        fm.chunk_range(t, shard_group, shard_rank)[1]
+        - fm.chunk_range(t, shard_group, shard_rank)[0]
+        for t in (42, 24)
+    )
+    if strategy is ShardingStrategy.NO_SHARD:
+        widest = gathers = 0  # reduced where packed; nothing gathered
+    else:
+        gathers = 2 * 42 if strategy is ShardingStrategy.FULL_SHARD else 66
+    assert report["plan_buffers"] == 8 * (42 + widest + gathers)
     assert model.params == {}  # FSDP owns the parameters: only shards remain
 
 
@@ -193,6 +206,26 @@ def _fsdp_train(b, strategy, kind):
 @pytest.mark.parametrize("strategy", list(ShardingStrategy), ids=lambda s: s.name)
 def test_fsdp_matches_ddp(group, strategy, kind):
     group.run(_fsdp_train, strategy, kind)
+
+
+def _fsdp_replaced_shards(b):
+    """A shard array replaced after planning is what the next forward gathers."""
+    x, _ = data(4, seed=b.rank)
+    fsdp = FullyShardedDataParallel(MLP(SIZES, seed=3), b, forward_prefetch=False)
+    fsdp.forward(x)  # plans the gathers on the shard arrays of now
+    for key in fsdp.shards:
+        fsdp.shards[key] = fsdp.shards[key] * 2.0  # new arrays
+    got, _ = fsdp.forward(x)
+    reference = MLP(SIZES, seed=3)
+    want, _ = reference.forward(x, {k: 2.0 * v for k, v in reference.params.items()})
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    fsdp.close()
+    np.testing.assert_allclose(fsdp.forward(x)[0], want, rtol=RTOL)  # planned again
+    fsdp.close()
+
+
+def test_fsdp_gathers_a_replaced_shard(group):
+    group.run(_fsdp_replaced_shards)
 
 
 def _fsdp_errors(b):

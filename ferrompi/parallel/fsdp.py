@@ -38,6 +38,22 @@ optimizer state of ``P/N`` (momentum: ``P/N``; Adam: ``2 P/N``), plus the
 gathered units in use (one, or two with prefetch). :meth:`memory_report`
 measures it.
 
+The collectives are planned (:mod:`ferrompi.plans`) at the first
+:meth:`~FullyShardedDataParallel.forward`: per unit, a persistent
+``Allgatherv`` of its shards and a persistent ``Reduce_scatter`` of its
+gradient (and, for ``HYBRID_SHARD`` and ``NO_SHARD``, an ``Allreduce``
+across the replicas), checked once. A plan holds its buffers, so the
+buffers are fixed: ``FULL_SHARD`` gathers unit ``k`` (in model order) into
+slot ``k % 2`` of two buffers of the largest unit's size (one slot without
+``forward_prefetch``), as at most two units are gathered at once;
+``SHARD_GRAD_OP`` and ``HYBRID_SHARD``, which keep every unit gathered from
+its forward to its backward, have one buffer per unit, held from the first
+forward to :meth:`~FullyShardedDataParallel.close`. Every strategy packs a
+unit's gradient into one buffer of the largest unit's size. A layer must
+therefore not keep views of its parameters in its cache or its output
+(the models of :mod:`ferrompi.models` keep inputs only): with
+``FULL_SHARD`` the slot is another unit's two units later.
+
 Examples
 --------
 >>> import numpy as np, ferrompi as fm
@@ -73,6 +89,7 @@ from ..groups import destroy_process_group
 from ..models.mlp import Sequential
 from ..ops import ReduceOp
 from ..placements import chunk_range
+from ..plans import Plan, all_gather_v_init, allreduce_init, reduce_scatter_v_init
 from .optim import SGD
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "ShardingStrategy"]
@@ -214,6 +231,7 @@ class FullyShardedDataParallel:
         self.optimizer = (optimizer or (lambda p: SGD(p, lr=0.01)))(self.shards)
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        self._plans: _UnitPlans | None = None  # made by the first forward
 
     # -- groups ------------------------------------------------------------
 
@@ -253,9 +271,13 @@ class FullyShardedDataParallel:
         ``HYBRID_SHARD`` model raise :class:`~ferrompi.DistributedError`;
         :meth:`step` (local) and the shards (:attr:`shards`) stay usable.
         The other strategies communicate on ``backend`` itself, which stays
-        the caller's: for them :meth:`close` does nothing. A second call does
-        nothing.
+        the caller's. A second call does nothing.
+        The collectives' plans are freed too (every strategy); a later
+        :meth:`forward` plans again.
         """
+        plans, self._plans = self._plans, None
+        if plans is not None:
+            plans.free()
         groups, self._own_groups = self._own_groups, []
         for group in groups:
             destroy_process_group(group)
@@ -268,9 +290,8 @@ class FullyShardedDataParallel:
         if self.shard_group is None:
             unit.gathered = self.shards[key]
             return
-        unit.pending = _rows.gather_rows(
-            self.shards[key], unit.counts, self.shard_group, blocking=False
-        )
+        # the planned gather reads its shard; a shard array replaced since is copied in
+        unit.pending = self._plans.gathers[key].start(self.shards[key])
 
     def _materialize(self, key: str) -> dict[str, np.ndarray]:
         unit = self.units[key]
@@ -299,7 +320,12 @@ class FullyShardedDataParallel:
     # -- training ------------------------------------------------------------
 
     def forward(self, x: np.ndarray, training: bool = True):
-        """Run the model's forward pass; returns ``(output, caches)``."""
+        """Run the model's forward pass; returns ``(output, caches)``.
+
+        The first call plans the collectives (collective over ``backend``).
+        """
+        if self._plans is None:
+            self._plans = _UnitPlans(self)
         caches = []
         for i, layer in enumerate(self.model.layers):
             key = str(i)
@@ -334,14 +360,12 @@ class FullyShardedDataParallel:
         return dy
 
     def _reduce(self, key: str, grads: dict[str, np.ndarray]) -> None:
-        unit = self.units[key]
-        flat = np.concatenate([grads[s].reshape(-1) for s in unit.short])
-        flat = flat.astype(unit.dtype, copy=False)
-        if self.shard_group is not None:
-            flat = _rows.reduce_rows(flat, unit.counts, self.shard_group, ReduceOp.MEAN)
-        if self.replicate_group is not None:
-            flat = collectives.allreduce(flat, self.replicate_group, ReduceOp.MEAN, out=flat)
-        self.grads[key] += flat
+        unit, plans = self.units[key], self._plans
+        packed = plans.packed[key]
+        np.concatenate([grads[s].reshape(-1) for s in unit.short], out=packed, casting="same_kind")
+        for plan in plans.reductions[key]:  # reduce-scatter and/or all-reduce, in place
+            plan()
+        self.grads[key] += plans.reduced[key]
 
     def step(self) -> None:
         """Update the local shards with the accumulated gradients, then zero them."""
@@ -372,15 +396,91 @@ class FullyShardedDataParallel:
         return dict(self.shards)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held by this rank: shards, gradients, optimizer state, peak gathered."""
+        """Bytes held by this rank: shards, gradients, optimizer state, the most bytes
+        of gathered units in use at once, the buffers the planned collectives hold
+        (module documentation; 0 before the first forward), and the full model."""
         state = getattr(self.optimizer, "state_nbytes", lambda: 0)()
         return {
             "param_shards": sum(s.nbytes for s in self.shards.values()),
             "grad_shards": sum(g.nbytes for g in self.grads.values()),
             "optimizer_state": int(state),
             "peak_gathered": self.peak_gathered_bytes,
+            "plan_buffers": 0 if self._plans is None else self._plans.nbytes,
             "full_model": sum(u.total * np.dtype(u.dtype).itemsize for u in self.units.values()),
         }
 
 
 FSDP = FullyShardedDataParallel
+
+
+class _UnitPlans:
+    """The planned collectives of an FSDP model's units, and the buffers they hold.
+
+    ``gathers[key]``: the unit's gather, into its slot (``FULL_SHARD``) or its
+    own buffer; ``packed[key]``: the buffer its gradient is packed into;
+    ``reductions[key]``: the plans that reduce it (the reduce-scatter over the
+    shard group, then the all-reduce across replicas), their result in
+    ``reduced[key]``. Made collectively, in the same order on every rank.
+    """
+
+    def __init__(self, fsdp: FullyShardedDataParallel) -> None:
+        units = fsdp.units
+        shard, replicate = fsdp.shard_group, fsdp.replicate_group
+        largest = max((u.total * np.dtype(u.dtype).itemsize for u in units.values()), default=0)
+        rank = 0 if shard is None else shard.rank
+        widest = max(  # the largest shard of a unit: the reduce-scatter's result
+            (u.counts[rank] * np.dtype(u.dtype).itemsize for u in units.values()),
+            default=0,
+        )
+        if shard is None:
+            widest = 0  # NO_SHARD: the gradient is reduced where it was packed
+        slots = 2 if fsdp.forward_prefetch else 1
+        pooled = fsdp.strategy is ShardingStrategy.FULL_SHARD
+        gather_pool = [np.empty(largest, np.uint8) for _ in range(slots if pooled else 0)]
+        grad_pool, shard_pool = np.empty(largest, np.uint8), np.empty(widest, np.uint8)
+        self.nbytes = sum(b.nbytes for b in (*gather_pool, grad_pool, shard_pool))
+        self.gathers: dict[str, Plan] = {}
+        self.packed: dict[str, np.ndarray] = {}
+        self.reductions: dict[str, list[Plan]] = {}
+        self.reduced: dict[str, np.ndarray] = {}
+        try:
+            for k, (key, unit) in enumerate(units.items()):
+                dtype = np.dtype(unit.dtype)
+                packed = _typed(grad_pool, unit.total, dtype)
+                self.packed[key], plans = packed, []
+                self.reductions[key] = plans
+                if shard is not None:
+                    buffer = gather_pool[k % slots] if pooled else None
+                    if buffer is None:  # the unit's own, kept gathered from forward to backward
+                        full = np.empty(unit.total, dtype)
+                        self.nbytes += full.nbytes
+                    else:
+                        full = _typed(buffer, unit.total, dtype)
+                    self.gathers[key] = all_gather_v_init(
+                        fsdp.shards[key], unit.counts, shard, out=full
+                    )
+                    reduced = _typed(shard_pool, unit.counts[rank], dtype)
+                    plans.append(
+                        reduce_scatter_v_init(
+                            packed, unit.counts, shard, ReduceOp.MEAN, out=reduced
+                        )
+                    )
+                else:
+                    reduced = packed
+                if replicate is not None:
+                    plans.append(allreduce_init(reduced, replicate, ReduceOp.MEAN, out=reduced))
+                self.reduced[key] = reduced
+        except BaseException:
+            self.free()
+            raise
+
+    def free(self) -> None:
+        """Free every plan (local)."""
+        for plan in [*self.gathers.values(), *(p for ps in self.reductions.values() for p in ps)]:
+            plan.free()
+        self.gathers, self.reductions = {}, {}
+
+
+def _typed(buffer: np.ndarray, size: int, dtype: np.dtype) -> np.ndarray:
+    """The first ``size`` elements of ``dtype`` of the byte buffer ``buffer``."""
+    return buffer[: size * dtype.itemsize].view(dtype)
