@@ -14,9 +14,11 @@ sample is the slowest rank's time per call over a block of ``k`` calls
 (``k`` calibrated so a block lasts about ``--block-ms``); the table gives
 medians, the ratios are of medians of this run, and ``ferrompi-fm`` is the
 median of paired differences: what torch's path adds per call. Then the
-step time of DDP on a small MLP and a small CNN, on each backend, and on
-"ferrompi" without overlap (a comm hook that waits for each bucket inside
-backward): what the asynchronous works buy.
+step time of DDP on a small MLP and a small CNN, on each backend, on
+"ferrompi" with :func:`ferrompi.torch.planned_allreduce_hook` (the buckets'
+all-reduces planned) beside torch's own ``allreduce_hook`` (the same Python
+hook path, unplanned), and on "ferrompi" without overlap (a comm hook that
+waits for each bucket inside backward): what the asynchronous works buy.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ferrompi as fm
 import ferrompi.torch  # registers "ferrompi"
@@ -189,7 +192,15 @@ def ddp_steps(args, world) -> None:
         ),
         "CNN": (SmallCNN, lambda: torch.randn(32, 1, 28, 28)),
     }
-    variants = ("ferrompi", "gloo", "ferrompi, no overlap", "DDP alone", "compute alone")
+    variants = (
+        "ferrompi",
+        "gloo",
+        "ferrompi, torch's hook",
+        "ferrompi, planned hook",
+        "ferrompi, no overlap",
+        "DDP alone",
+        "compute alone",
+    )
     for name, (make, batch) in models.items():
         times: dict[str, list[float]] = {v: [] for v in variants}
         nets = {}
@@ -203,6 +214,11 @@ def ddp_steps(args, world) -> None:
                 )
             if variant.endswith("no overlap"):
                 model.register_comm_hook(None, _waiting_hook)
+            if variant.endswith("torch's hook"):
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+            if variant.endswith("planned hook"):
+                hook = ferrompi.torch.planned_allreduce_hook
+                model.register_comm_hook(ferrompi.torch.PlannedBuckets(), hook)
             if variant == "DDP alone":
                 model.register_comm_hook(None, _silent_hook)
             nets[variant] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
@@ -219,13 +235,16 @@ def ddp_steps(args, world) -> None:
                 if rep >= 3:  # after warm-up
                     times[variant].append(slowest)
         med = {v: statistics.median(t) for v, t in times.items()}
+        hooked, planned = "ferrompi, torch's hook", "ferrompi, planned hook"
         params = sum(p.numel() for p in nets["gloo"][0].parameters())
         if world.rank == 0:
             print(
                 f"DDP {name} ({params * 4 / 2**20:.1f} MiB of gradients, buckets of "
                 f"{args.bucket_mb:g} MiB), {world.world_size} ranks: "
                 f"ferrompi {fmt(med['ferrompi'])}, gloo {fmt(med['gloo'])}, "
-                f"gloo/ferrompi {med['gloo'] / med['ferrompi']:.2f}; without overlap "
+                f"gloo/ferrompi {med['gloo'] / med['ferrompi']:.2f}; torch's allreduce_hook "
+                f"{fmt(med[hooked])}, planned hook {fmt(med[planned])} "
+                f"({med[planned] / med[hooked]:.2f}x torch's hook); without overlap "
                 f"{fmt(med['ferrompi, no overlap'])} "
                 f"({med['ferrompi, no overlap'] / med['ferrompi']:.2f}x); without "
                 f"communication {fmt(med['DDP alone'])} (compute alone "

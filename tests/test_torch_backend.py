@@ -237,12 +237,12 @@ def _model():
     )
 
 
-def _train(model, steps, batches, ddp_kwargs=None, hook=None, accumulate=1):
+def _train(model, steps, batches, ddp_kwargs=None, hook=None, accumulate=1, state=None):
     """Train ``model`` with DDP on this rank's slice of each batch (None: the whole batch)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     net = model if ddp_kwargs is None else nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
     if hook is not None:
-        net.register_comm_hook(None, hook)
+        net.register_comm_hook(state, hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     for step in range(steps):
         opt.zero_grad()
@@ -300,6 +300,38 @@ def test_ddp_no_sync_and_a_comm_hook(groups):
     plain = _train(_model(), 3, batches[:3])
     for a, b in zip(hooked, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["copied", "bucket-view"])
+def test_ddp_with_planned_bucket_allreduces(groups, bucket_view):
+    import ferrompi.torch as fmt
+
+    batches = _batches(5)
+    want = _train(_model(), 5, batches)
+    state = fmt.PlannedBuckets()
+    kwargs = {"bucket_cap_mb": 0.001, "gradient_as_bucket_view": bucket_view}
+    got = _train(_model(), 5, batches, kwargs, hook=fmt.planned_allreduce_hook, state=state)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # every bucket (small buckets: several) was reduced by its plan from its second call;
+    # DDP rebuilt its buckets after the first step, so an index may be new since
+    assert len(state.plans) > 1 and set(state.plans) == set(state._calls)
+    assert all(plan is not None for plan in state.plans.values())
+    assert set(state._calls.values()) <= {4, 5}
+    state.free()
+    assert state.plans == {}
+
+
+def test_the_planned_hook_needs_a_ferrompi_group(groups):
+    import ferrompi.torch as fmt
+
+    _, gloo = groups
+    model = nn.parallel.DistributedDataParallel(_model(), process_group=gloo)
+    model.register_comm_hook(fmt.PlannedBuckets(gloo), fmt.planned_allreduce_hook)
+    x, y = _batches(1)[0]
+    loss = nn.functional.mse_loss(model(x), y)
+    with pytest.raises(Exception, match="not ferrompi's; init_process_group"):
+        loss.backward()
 
 
 def test_new_group_runs_on_the_members_communicator(groups):
