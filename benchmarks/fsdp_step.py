@@ -8,7 +8,7 @@ by the slowest rank; it prints the median and quartiles of a step and the
 parameter bytes. Small layers make the step bound by the per-call cost of
 its collectives (one gather per unit in forward, one gather and one
 reduce-scatter in backward); run it at two revisions (``PYTHONPATH``) to
-compare them (docs/performance.md, "FSDP's planned gathers").
+compare them (docs/performance.md, "Users of plans inside ferrompi").
 """
 
 from __future__ import annotations
