@@ -36,7 +36,8 @@ up to a multiple of the number of ranks where the operation splits it).
 ``all_to_all_uneven`` sends rank ``r`` ``(r + j) % 3 + 1`` parts of ``n /
 (3 p)`` rows to rank ``j`` (``Alltoallv``); in ``all_gather_v`` and
 ``reduce_scatter_v`` rank ``j`` holds ``j % 3 + 1`` parts of ``n / (2 p)``
-(``Allgatherv``, ``Reduce_scatter``); ``sendrecv`` exchanges with the
+(``Allgatherv``, ``Reduce_scatter``); ``scatter`` sends ``n / p`` from rank 0
+to each rank; ``sendrecv`` exchanges with the
 neighbour ``rank ^ 1`` (for odd sizes, sends to the next rank of the ring
 and receives from the previous one);
 ``allreduce_coalesced`` reduces 100 arrays of 4 KiB, fused and as 100 calls.
@@ -121,6 +122,7 @@ OPS = [
     "all_to_all_uneven",
     "all_gather_v",
     "reduce_scatter_v",
+    "scatter",
     "sendrecv",
     "async_allreduce",
     "async_broadcast",
@@ -415,6 +417,20 @@ class Calls:
         calls = self._ferrompi(lambda pkg, w: lambda: pkg.reduce_scatter_v(x, counts, w, out=out))
         calls["mpi4py"] = lambda: c.Reduce_scatter(x, out, counts, MPI.SUM)
         return self._plan(calls, fm.reduce_scatter_v_init(x, counts, self.world, out=out))
+
+    def _scatter(self, nbytes):
+        n = self._split_elements(nbytes)  # the source's rows, of which each rank gets 1/p
+        x, out = self._arrays(n, n // self.p)
+        rows = x if self.rank == 0 else None
+        c = self.comm
+        calls = self._ferrompi(lambda pkg, w: lambda: pkg.scatter(rows, w, src=0, out=out))
+        calls["mpi4py"] = lambda: c.Scatter(rows, out, root=0)
+        self._plan(calls, fm.scatter_init(rows, self.world, src=0, out=out))
+        if self.dist:
+            parts = list(self._tensor(x).chunk(self.p)) if self.rank == 0 else None
+            t = self._tensor(out)
+            calls["gloo"] = lambda: self.dist.scatter(t, parts, src=0)
+        return calls
 
     def _sendrecv(self, nbytes):
         p, r = self.p, self.rank

@@ -35,6 +35,8 @@ import time
 from datetime import timedelta
 from time import monotonic_ns
 
+import numpy as np
+
 from . import _status_board, debug
 from ._mpi import MPI
 from ._status_board import (
@@ -540,6 +542,14 @@ def wait_step(state, opcode: int, seq: int, req, timeout: float | None) -> None:
     entry = state.last
     entry[E_T_END] = 0
     entry[E_STATE] = ACTIVE
+
+
+def anywhere(state, opcode: int, seq: int, flag: bool, timeout: float | None) -> bool:
+    """Whether ``flag`` is true on any rank (one ``Iallreduce``; a step of collective ``seq``)."""
+    mine, found = np.array([int(flag)], np.int64), np.empty(1, np.int64)
+    req = state.comm.Iallreduce([mine, 1, MPI.INT64_T], [found, 1, MPI.INT64_T], MPI.MAX)
+    wait_step(state, opcode, seq, req, timeout)
+    return bool(found[0])
 
 
 def one_pending(

@@ -16,10 +16,11 @@ flight entry and completes under its timeout, so a timeout in a planned
 loop names the missing rank and the plan's operation. Where the MPI
 library has MPI-4 persistent operations (MPICH ≥ 4), a plan holds one
 persistent request (``MPI_Allreduce_init`` ...); calls the node engine
-takes go there, as the plain call's do. The uneven all-to-all exchanges
-its split tables once, when planned, and is then an ``Alltoallv`` of fixed
-counts; ``scatter``, whose non-source ranks learn the shape from a header,
-runs its steps at each call.
+takes go there, as the plain call's do. The collectives of per-rank row
+counts (the uneven all-to-all, ``all_gather_v``, ``reduce_scatter_v``)
+exchange and check the ranks' counts once, when planned, and are then calls
+of fixed counts; ``scatter`` broadcasts the source's header (the shape and
+dtype the other ranks receive) once, when planned.
 
 A plan lives until :meth:`Plan.free` (or the end of its ``with`` block); a
 freed plan, or one whose group was destroyed, raises when used.
@@ -71,7 +72,7 @@ from .errors import FerrompiError, InvalidArgument
 from .objects import all_gather_object
 from .ops import ReduceOp
 from .p2p import _persistent_sendrecv, _post_sendrecv, irecv, send, sendrecv
-from .rooted import gather, reduce, scatter
+from .rooted import _scatter_steps, gather, planned_scatter, reduce, scatter
 from .typing import Timeout
 from .uneven import (
     _all_gather_v_steps,
@@ -568,6 +569,7 @@ _PLANNED_STEPS = {
     _uneven_steps: (planned_uneven, "Alltoallv_init"),
     _all_gather_v_steps: (planned_all_gather_v, "Allgatherv_init"),
     _checked_reduce_scatter: (planned_reduce_scatter, "Reduce_scatter_init"),
+    _scatter_steps: (planned_scatter, "Scatter_init"),
 }
 
 

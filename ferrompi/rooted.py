@@ -35,8 +35,8 @@ from ._arrays import DEVICE, HOST, TORCH, TORCH_DEVICE, check_rank, datatype_of,
 from ._call import STEPS, conclusion, group_and_rank, run
 from ._dtypes import dtype_code, dtype_of_code, reduction, torch_reduce_op
 from ._mpi import MPI
-from ._progress import wait_step
-from ._status_board import FAILED, OPCODE, OPS
+from ._progress import anywhere, wait_step
+from ._status_board import DONE, FAILED, OPCODE, OPS
 from .backend import Backend
 from .collectives import _gathered_shape, _rows_divisible, _separate
 from .errors import FerrompiError, InvalidArgument
@@ -300,6 +300,50 @@ def _scatter_source(state, rows, out, header: np.ndarray, name: str) -> tuple:
 def _scatter_steps(state, seconds, opcode, root, header, x, made, out, rejection) -> tuple:
     """scatter after its checks: the root's header, then ``Iscatter`` (``STEPS``)."""
     name = OPS[opcode]
+    shape, dtype = _root_header(state, seconds, opcode, root, header, rejection)
+    if made is None:  # not the root: the result is of the root's kind, or the caller's out
+        try:
+            made = _received(state, header, out, shape, dtype, name)
+        except FerrompiError:  # take part (into scratch) so the others complete, then raise
+            scratch = np.empty(shape, dtype)
+            dt = datatype_of(scratch, name)
+            req = state.comm.Iscatter(None, [scratch, scratch.size, dt], root)
+            wait_step(state, opcode, state.seq, req, seconds)
+            state.end(FAILED)
+            raise
+    post, args, result, finish, keep = _scatter_call(state, root, x, made, name)
+    return post(*args), result, finish, keep
+
+
+def planned_scatter(parts: tuple) -> tuple:
+    """scatter's steps, planned (:mod:`ferrompi.plans`): the root's header is
+    broadcast once, now (a record of its own on the status board); a rank whose
+    ``out`` cannot take the rows makes every rank raise; and the call becomes an
+    ``Iscatter`` of a fixed shape, which every rank can make a persistent
+    ``Scatter_init``."""
+    state, seconds, opcode, root, header, x, made, out, rejection = parts[3]
+    name = OPS[opcode]
+    seq = state.begin(opcode, parts[0], seconds)
+    shape, dtype = _root_header(state, seconds, opcode, root, header, rejection)
+    failure = None
+    if made is None:
+        try:
+            made = _received(state, header, out, shape, dtype, name)
+        except FerrompiError as exc:
+            failure = exc
+    if anywhere(state, opcode, seq, failure is not None, seconds):
+        state.end(FAILED)
+        if failure is not None:
+            raise failure
+        raise InvalidArgument(f"{name}: a rank's out cannot take the source's rows {shape}")
+    state.end(DONE)
+    post, args, result, finish, keep = _scatter_call(state, root, x, made, name)
+    return parts[0], None, post, args, result, finish, keep, None
+
+
+def _root_header(state, seconds, opcode: int, root: int, header, rejection) -> tuple:
+    """The root's header broadcast: ``(shape, dtype)`` of each rank's rows, or, when the
+    root rejected its rows, its reason raised on every rank."""
     wait_step(state, opcode, state.seq, state.comm.Ibcast([header, _INT64], root), seconds)
     ndim = int(header[_NDIM])
     if ndim < 0:  # the root rejected its rows: every rank raises its reason
@@ -308,28 +352,25 @@ def _scatter_steps(state, seconds, opcode, root, header, x, made, out, rejection
             raise rejection
         reason = header[_SHAPE:].view(np.uint8)[: int(header[_DTYPE])].tobytes()
         raise InvalidArgument(
-            f"{name}: the source, rank {root}, rejected its rows, so no rank received: "
+            f"{OPS[opcode]}: the source, rank {root}, rejected its rows, so no rank received: "
             f"{reason.decode(errors='replace')}"
         )
     shape = tuple(int(d) for d in header[_SHAPE : _SHAPE + ndim])
-    dtype = dtype_of_code(int(header[_DTYPE]))
-    n = int(np.prod(shape))
-    if made is None:  # not the root: the result is of the root's kind, or the caller's out
-        kind = _KINDS[int(header[_KIND])]
-        try:
-            made = output(kind, None, out, shape, dtype, name, state.comm)
-        except FerrompiError:  # take part (into scratch) so the others complete, then raise
-            scratch = np.empty(shape, dtype)
-            dt = datatype_of(scratch, name)
-            req = state.comm.Iscatter(None, [scratch, n, dt], root)
-            wait_step(state, opcode, state.seq, req, seconds)
-            state.end(FAILED)
-            raise
+    return shape, dtype_of_code(int(header[_DTYPE]))
+
+
+def _received(state, header, out, shape: tuple, dtype, name: str) -> tuple:
+    """A non-root rank's ``output(...)``: of the root's kind, or the caller's ``out``."""
+    return output(_KINDS[int(header[_KIND])], None, out, shape, dtype, name, state.comm)
+
+
+def _scatter_call(state, root: int, x, made: tuple, name: str) -> tuple:
+    """``(post, args, result, finish, keep)`` of the ``Iscatter`` into ``made``'s buffer."""
     result, buf, rkind = made
     dt = datatype_of(buf, name)
-    send = None if x is None else [x, n, dt]
+    send = None if x is None else [x, buf.size, dt]
     finish, keep = conclusion(result, buf, 0, x, rkind)
-    return state.comm.Iscatter(send, [buf, n, dt], root), result, finish, keep
+    return state.comm.Iscatter, (send, [buf, buf.size, dt], root), result, finish, keep
 
 
 def scatter(

@@ -41,7 +41,7 @@ from ._arrays import (
 from ._call import STEPS, conclusion, group_of, run
 from ._dtypes import dtype_code, dtype_of_code
 from ._mpi import MPI
-from ._progress import wait_step
+from ._progress import anywhere, wait_step
 from ._rows import alltoallv_call, gathered_rows, row_counts, row_size, scattered_rows
 from ._status_board import DONE, FAILED, OPCODE, OPS
 from .backend import Backend
@@ -493,7 +493,7 @@ def _pairwise_check(
         or (theirs[:, 2:] != mine[:, 2:]).any()
         or 0 <= out_rows != received.sum()
     )
-    if _anywhere(state, opcode, seq, misfit, timeout):
+    if anywhere(state, opcode, seq, misfit, timeout):
         layout = _table_layout(size)
         return _gathered_check(state, opcode, seq, layout, header, x, -1, timeout)
     return received.tolist(), [], None
@@ -706,7 +706,7 @@ def _gathered_v(state, seconds: float, header, kind, like, x, out) -> tuple:
             or (mine[0] >= 0 and (mine != table[:, 0]).any())
             or (out_rows >= 0 and out_rows != table[:, 0].sum())
         )
-        if _anywhere(state, _ALL_GATHER_V, seq, misfit, seconds):
+        if anywhere(state, _ALL_GATHER_V, seq, misfit, seconds):
             table = _gather_words(state, _ALL_GATHER_V, seq, header, header.size, seconds)
     problems = _gather_problems(table)
     if problems:
@@ -725,14 +725,6 @@ def _gather_words(state, opcode: int, seq: int, words, width: int, timeout) -> n
     req = state.comm.Iallgather([words[:width], _INT64], [table, _INT64])
     wait_step(state, opcode, seq, req, timeout)
     return table
-
-
-def _anywhere(state, opcode: int, seq: int, flag: bool, timeout) -> bool:
-    """Whether ``flag`` is true on any rank (one ``Iallreduce``; a step of collective ``seq``)."""
-    mine, anywhere = np.array([int(flag)], np.int64), np.empty(1, np.int64)
-    req = state.comm.Iallreduce([mine, 1, _INT64], [anywhere, 1, _INT64], MPI.MAX)
-    wait_step(state, opcode, seq, req, timeout)
-    return bool(anywhere[0])
 
 
 def _gather_problems(table: np.ndarray) -> list[str]:

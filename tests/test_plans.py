@@ -162,6 +162,29 @@ def _row_count_plans(b):
         np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, n))
 
 
+def _scatter_plans(b):
+    """A planned scatter broadcasts the source's header once; an out that cannot take
+    the rows, on one rank, makes every rank raise when planned."""
+    n, r = b.world_size, b.rank
+    rows = np.empty((2 * n, 3)) if r == n - 1 else None
+    mine = np.empty((2, 3))
+    with fm.scatter_init(rows, b, src=n - 1, out=mine) as plan:
+        for step in range(3):
+            if rows is not None:
+                rows[...] = _data(r, step, rows.shape)
+            assert plan.start().wait() is mine
+            np.testing.assert_array_equal(mine, _data(n - 1, step, (2 * n, 3))[2 * r : 2 * r + 2])
+    if n > 1:
+        odd = np.empty((3, 3)) if r == 0 else None  # rank 0's out has a row too many
+        with pytest.raises(fm.InvalidArgument, match=r"out|\(2, 3\)"):
+            fm.scatter_init(rows, b, src=n - 1, out=odd)
+        np.testing.assert_array_equal(fm.allreduce(np.ones(2), b), np.full(2, n))
+
+
+def test_a_planned_scatter_sends_its_header_once(group):
+    group.run(_scatter_plans)
+
+
 def test_row_count_plans_check_their_counts_once(group):
     group.run(_row_count_plans)
 
