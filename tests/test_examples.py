@@ -257,9 +257,16 @@ def test_torch_ddp_example_learns_and_resumes_exactly(tmp_path):
     resumed = _params(tmp_path / "same.npz")
     assert all(np.array_equal(resumed[k], full[k]) for k in full)  # bit for bit
 
-    run(3, "other", "--stop-after", "100")  # saved by 3 ranks, resumed by 2
-    out = run(2, "other", "--out", str(tmp_path / "other.npz"))
+    # saved by 3 ranks, resumed by 2: the state at the checkpoint, bit for bit (3 ranks'
+    # training sums in another order than 2 ranks', and Adam turns gradients that differ
+    # in their last bits near zero into updates of lr: 2e-3 apart after 20 steps here,
+    # so the resharded training is compared at the checkpoint, then must learn)
+    run(3, "other", "--stop-after", "100")  # its last checkpoint: step 80
+    run(3, "at80", "--stop-after", "80", "--out", str(tmp_path / "at80.npz"))
+    out = run(2, "other", "--stop-after", "80", "--out", str(tmp_path / "loaded.npz"))
     assert "resumed at step 80 on 2 ranks" in out, out
-    other = _params(tmp_path / "other.npz")
-    for k in full:  # the same training, summed in another order: rounding only
-        np.testing.assert_allclose(other[k], full[k], rtol=0, atol=1e-4)
+    at80, loaded = _params(tmp_path / "at80.npz"), _params(tmp_path / "loaded.npz")
+    assert all(np.array_equal(loaded[k], at80[k]) for k in at80)
+    out = run(2, "other")
+    assert "resumed at step 80 on 2 ranks" in out, out
+    assert _final_accuracy(out) >= 0.9, out
