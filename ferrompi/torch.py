@@ -672,20 +672,22 @@ class PlannedBuckets:
         """The plan of bucket ``index`` (this size and dtype), or None on its first call."""
         calls = self._calls[index] = self._calls.get(index, 0) + 1
         plan = self.plans.get(index)
-        if plan is not None and (plan._x.shape, plan._x.dtype) != (view.shape, view.dtype):
-            plan.free()  # DDP rebuilt its buckets: this index is another bucket now
-            plan = self.plans[index] = None
-        if plan is None and calls >= 2:
-            _drain()  # planning is collective: after the bucket reductions handed over
-            plan = self.plans[index] = allreduce_init(view, pg.backend, ReduceOp.MEAN, out=view)
+        if plan is not None and (plan._x.shape, plan._x.dtype) == (view.shape, view.dtype):
+            return plan
+        if plan is None and calls < 2:
+            return None  # the first call: DDP may still rebuild its buckets
+        _drain()  # what the lane holds runs first: planning is collective, freeing local
+        if plan is not None:  # DDP rebuilt its buckets: this index is another bucket now
+            plan.free()
+        plan = self.plans[index] = allreduce_init(view, pg.backend, ReduceOp.MEAN, out=view)
         return plan
 
     def free(self) -> None:
-        """Free the plans (local); a later call plans its bucket again."""
+        """Free the plans. Every rank frees between the same steps: a later call of
+        a bucket plans it again from its second call, collectively."""
         plans, self.plans, self._calls = self.plans, {}, {}
         for plan in plans.values():
-            if plan is not None:
-                plan.free()
+            plan.free()
 
 
 def planned_allreduce_hook(
