@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from . import _shm
-from ._arrays import TORCH, kind_of, numpy_view
+from ._arrays import TORCH, datatype_of, kind_of, numpy_view
 from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
 from ._mpi import MPI
 from ._progress import PendingCollective, complete, mpi_error, one_pending, timeout_seconds
@@ -412,6 +412,8 @@ class CoalescedPlan:
                 )
         self._xs, self._targets, self._sinks, self._direct = xs, targets, sinks, direct
         self._fused, self._plans, self._results = [], [], [None] * len(xs)
+        self._copies: list[_ScatteredCopy] = []
+        by_mpi = isinstance(backend.comm, MPI.Comm)  # MPI copies the pieces (_ScatteredCopy)
         for (_, total), members in zip(signature, groups.values(), strict=True):
             parts = [xs[i] for i in members]
             in_place = targets is not None and all(targets[i] is xs[i] for i in members)
@@ -420,23 +422,42 @@ class CoalescedPlan:
             if packed:
                 fused = np.empty(total, xs[members[0]].dtype)
             ends = list(itertools.accumulate(x.size for x in parts))
-            self._fused.append((fused, parts, ends, members, packed))
+            pack = unpack = None
+            if packed and by_mpi and len(parts) >= SCATTERED_COPY_FROM:
+                pack = self._copy(parts, fused, gather=True)
+                outs = None if targets is None else [targets[i] for i in members]
+                if outs is not None and all(type(o) is np.ndarray for o in outs):
+                    unpack = self._copy(outs, fused, gather=False)
+            self._fused.append((fused, parts, ends, members, packed, pack, unpack))
             self._plans.append(allreduce_init(fused, backend, op, out=fused, timeout=timeout))
             for i, x, end in zip(members, parts, ends, strict=True):
                 self._results[i] = fused[end - x.size : end].reshape(x.shape)
 
+    def _copy(self, arrays: list, fused: np.ndarray, gather: bool) -> _ScatteredCopy | None:
+        """The MPI copy between ``arrays`` and ``fused``, or None (an array not contiguous)."""
+        if not all(a.flags.c_contiguous for a in arrays):
+            return None
+        copy = _ScatteredCopy(arrays, fused, gather, self.op_name)
+        self._copies.append(copy)
+        return copy
+
     def _pack(self) -> None:
-        for fused, parts, _, _, packed in self._fused:
-            if packed:
+        for fused, parts, _, _, packed, pack, _ in self._fused:
+            if pack is not None:
+                pack()
+            elif packed:
                 np.concatenate(parts, axis=None, out=fused)
 
     def _unpack(self) -> list:
         if self._targets is None:
             return self._results  # views of the fused buffers
-        for fused, parts, ends, members, packed in self._fused:
-            targets = [self._targets[i] for i in members]
+        for fused, parts, ends, members, packed, _, unpack in self._fused:
             if not packed:
                 continue  # out= the arrays, which are the fused buffer: reduced in place
+            if unpack is not None:
+                unpack()
+                continue
+            targets = [self._targets[i] for i in members]
             sinks = [self._sinks[i] for i in members]
             _unpack(fused, parts, ends, targets, sinks, self._direct)
         return self._targets
@@ -461,6 +482,9 @@ class CoalescedPlan:
         plans, self._plans = self._plans, []
         for plan in plans:
             plan.free()
+        copies, self._copies = self._copies, []
+        for copy in copies:
+            copy.free()
 
     def __enter__(self) -> CoalescedPlan:
         return self
@@ -521,6 +545,48 @@ def allreduce_coalesced_init(
     [[1.0, 1.0], [2.0, 2.0, 2.0]]
     """
     return CoalescedPlan(arrays, backend, op, group, out, timeout)
+
+
+#: Arrays from which a planned coalesced call has MPI copy them into (and out of) its
+#: fused buffer, one message to this process (:class:`_ScatteredCopy`), instead of
+#: numpy: from here MPI's fixed cost is less than numpy's per-array one
+#: (docs/performance.md, "Persistent plans").
+SCATTERED_COPY_FROM = 8
+
+
+class _ScatteredCopy:
+    """A persistent copy between a fused buffer and arrays elsewhere in memory, made
+    by MPI in C: a message from this process to itself whose one side is an
+    ``hindexed`` datatype of the arrays' addresses (at ``MPI_BOTTOM``), started and
+    completed at each call. ``gather``: the arrays into the buffer, else back."""
+
+    _tags = itertools.count()
+
+    def __init__(self, arrays: list, fused: np.ndarray, gather: bool, op: str) -> None:
+        basic = datatype_of(fused, op)
+        full = [a for a in arrays if a.size]
+        self._type = basic.Create_hindexed(
+            [a.size for a in full], [a.__array_interface__["data"][0] for a in full]
+        ).Commit()  # the addresses from numpy: bfloat16 arrays export no buffer to MPI
+        self._arrays = arrays  # their memory is the datatype's: kept alive with it
+        comm, tag = MPI.COMM_SELF, next(self._tags) % 32768  # MPI's smallest tag bound
+        scattered, whole = [MPI.BOTTOM, 1, self._type], [fused, fused.size, basic]
+        source, target = (scattered, whole) if gather else (whole, scattered)
+        self._reqs = [comm.Recv_init(target, 0, tag), comm.Send_init(source, 0, tag)]
+        # a plan dropped without free(): the requests and type freed when it is collected
+        self.free = weakref.finalize(self, _free_copy, self._reqs, self._type)
+
+    def __call__(self) -> None:
+        MPI.Prequest.Startall(self._reqs)
+        MPI.Request.Waitall(self._reqs)
+
+
+def _free_copy(reqs: list, datatype) -> None:
+    """Free a :class:`_ScatteredCopy`'s requests and datatype (unless MPI has ended)."""
+    for req in reqs:
+        _free_request(req)
+    if not MPI.Is_finalized():
+        datatype.Free()
 
 
 #: Persistent requests still active when their plan was released (a call that timed

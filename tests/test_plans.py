@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import ferrompi as fm
 
@@ -224,6 +226,52 @@ def test_planned_allreduce_coalesced(group):
     group.run(_coalesced)
 
 
+def _many_arrays(b):
+    """Many separate arrays (MPI copies them into the fused buffer and back, under
+    mpiexec): results, out=, in place, an empty array, and a strided out that
+    numpy fills instead, against the plain call."""
+    r = b.rank
+    sizes = [3, 0, 5, 1, 4, 2, 6, 3, 7, 1]  # ten arrays, one empty
+    arrays = [np.empty(k) for k in sizes]
+    outs = [np.empty(k) for k in sizes]
+    strided = [np.empty((k, 2))[:, 0] for k in sizes]
+    with (
+        fm.allreduce_coalesced_init(arrays, b) as views,
+        fm.allreduce_coalesced_init(arrays, b, fm.ReduceOp.MAX, out=outs) as into,
+        fm.allreduce_coalesced_init(arrays, b, out=strided) as numpy_copied,
+        fm.allreduce_coalesced_init(arrays, b, out=arrays) as in_place,
+    ):
+        for step in range(3):
+            for a in arrays:
+                a[...] = _data(r, step, a.shape)
+            want = fm.allreduce_coalesced([a.copy() for a in arrays], b)
+            want_max = fm.allreduce_coalesced([a.copy() for a in arrays], b, fm.ReduceOp.MAX)
+            for got, w in zip(views(), want, strict=True):
+                np.testing.assert_array_equal(got, w)
+            into()
+            for got, w in zip(outs, want_max, strict=True):
+                np.testing.assert_array_equal(got, w)
+            numpy_copied()
+            for got, w in zip(strided, want, strict=True):
+                np.testing.assert_array_equal(got, w)
+            in_place()
+            for got, w in zip(arrays, want, strict=True):
+                np.testing.assert_array_equal(got, w)
+        # MPI's copies: in for each, back into contiguous numpy outs (not the strided ones)
+        expected = [1, 2, 1, 2] if isinstance(b.comm, MPI.Comm) else [0, 0, 0, 0]
+        assert [len(p._copies) for p in (views, into, numpy_copied, in_place)] == expected
+    halves = [np.full(k + 1, r + 0.5, ml_dtypes.bfloat16) for k in sizes]  # no buffer to MPI
+    want = fm.allreduce_coalesced([h.copy() for h in halves], b)
+    with fm.allreduce_coalesced_init(halves, b, out=halves) as in_place:
+        in_place()
+    for got, w in zip(halves, want, strict=True):
+        np.testing.assert_array_equal(got, w)
+
+
+def test_a_planned_coalesced_call_of_many_arrays(group):
+    group.run(_many_arrays)
+
+
 def _bucket_views(b):
     """Arrays that are consecutive views of one buffer, reduced in place, are that
     buffer: the plan reduces it without packing. Other layouts are packed."""
@@ -248,8 +296,8 @@ def _bucket_views(b):
             buffer[:] = _data(r, step, buffer.shape)
             packed()
             np.testing.assert_array_equal(buffer, want)
-        assert [p for *_, p in in_bucket._fused] == [False]  # reduced where the views are
-        assert [p for *_, p in packed._fused] == [True]
+        assert [f[4] for f in in_bucket._fused] == [False]  # reduced where the views are
+        assert [f[4] for f in packed._fused] == [True]
 
 
 def test_a_bucket_of_views_is_reduced_in_place_without_packing(group):
