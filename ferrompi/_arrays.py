@@ -601,6 +601,18 @@ def overlaps(a, b) -> bool:
     return bool(array_module(a).may_share_memory(a, b))
 
 
+def separate(x, buf, out, in_place: bool = False):
+    """``x``, copied if the caller's ``out`` (whose buffer is ``buf``) overlaps it: MPI
+    forbids aliased send and receive buffers.
+
+    With ``in_place`` (allreduce, broadcast, reduce), ``out`` being ``x`` itself
+    is kept: those calls then run in place.
+    """
+    if out is None or (in_place and buf is x):
+        return x
+    return x.copy() if overlaps(x, buf) else x
+
+
 def check_rank(value, world_size: int, what: str, op: str) -> int:
     """Validate a peer or root rank; return it as int."""
     if type(value) is int and 0 <= value < world_size:

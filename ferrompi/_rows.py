@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import datatype_of, kind_of, output, overlaps
+from ._arrays import datatype_of, kind_of, output, separate
 from ._call import conclusion, run
 from ._dtypes import mpi_op, torch_reduce_op
-from ._status_board import DONE, OPCODE
+from ._status_board import OPCODE
 from .backend import Backend
 from .errors import InvalidArgument
 from .ops import ReduceOp
@@ -94,17 +94,12 @@ def gathered_rows(state, kind, like, x, counts: np.ndarray, out=None) -> tuple:
     dt = datatype_of(x, name)
     shape = (int(counts.sum()), *x.shape[1:])
     result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-    x = _apart(x, buf, out)
+    x = separate(x, buf, out)
     rcounts = counts * row_size(x)
     displs = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
     finish, keep = conclusion(result, buf, 0, (x, rcounts, displs), rkind)
     args = ([x, x.size, dt], [buf, (rcounts, displs), dt])
     return state.comm.Iallgatherv, args, result, finish, keep
-
-
-def _apart(x, buf, out):
-    """``x``, copied if the caller's ``out`` overlaps it (MPI forbids aliased buffers)."""
-    return x.copy() if out is not None and overlaps(x, buf) else x
 
 
 # ---------------------------------------------------------------------------
@@ -144,7 +139,7 @@ def scattered_rows(state, seconds: float, args: tuple) -> tuple:
         )
     shape = (int(counts[state.rank]), *x.shape[1:])
     result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-    x = _apart(x, buf, out)
+    x = separate(x, buf, out)
     rcounts = counts * row_size(x)
     finish, keep = conclusion(result, buf, state.size if mean else 0, (x, rcounts), rkind)
     args = ([x, x.size, dt], [buf, buf.size, dt], rcounts, mop)
@@ -162,12 +157,10 @@ def _checked_reduce_scatter(check, state, counts: np.ndarray, seconds: float, ar
 
 def planned_reduce_scatter(parts: tuple) -> tuple:
     """The checked reduce-scatter's parts, planned (:mod:`ferrompi.plans`): the check
-    runs once, now, in a record of its own, and the call becomes the plain
-    ``Ireduce_scatter``, which every rank can make a persistent request."""
+    runs once, now, and the call becomes the plain ``Ireduce_scatter``, which every
+    rank can make a persistent request."""
     check, state, counts, seconds, args = parts[3]
-    state.begin(_REDUCE_SCATTER_V, parts[0], seconds)
     check(state, counts, seconds)  # raises on every rank when the counts differ
-    state.end(DONE)
     return (*parts[:2], state.comm.Ireduce_scatter, args, *parts[4:])
 
 

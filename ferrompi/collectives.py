@@ -58,9 +58,9 @@ from ._arrays import (
     host_empty,
     kind_of,
     output,
-    overlaps,
     plain_in_place,
     plain_pair,
+    separate,
 )
 from ._call import barrier_call, conclusion, group_and_rank, group_of, run
 from ._dtypes import reduction, torch_reduce_op
@@ -106,17 +106,6 @@ _dtype_of = operator.attrgetter("dtype")
 _size_of = operator.attrgetter("size")
 
 
-def _separate(x: np.ndarray, buf: np.ndarray, out, in_place: bool = False) -> np.ndarray:
-    """``x``, copied if the caller's ``out`` overlaps it (MPI forbids aliased buffers).
-
-    With ``in_place`` (allreduce, broadcast), ``out`` being ``x`` itself is
-    kept: those calls then run in place.
-    """
-    if out is None or (in_place and buf is x):
-        return x
-    return x.copy() if overlaps(x, buf) else x
-
-
 def _moved(state, x, out, name: str, shape, in_place: bool = False) -> tuple:
     """The general path of a collective that moves ``x`` without reducing it.
 
@@ -129,7 +118,7 @@ def _moved(state, x, out, name: str, shape, in_place: bool = False) -> tuple:
     shape = shape(x, state.size, name)
     dt = datatype_of(x, name)
     result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-    return _separate(x, buf, out, in_place), dt, result, buf, rkind
+    return separate(x, buf, out, in_place), dt, result, buf, rkind
 
 
 def _same_shape(x, size: int, name: str) -> tuple[int, ...]:
@@ -163,7 +152,7 @@ def _allreduce(state, seconds: float, args: tuple) -> tuple:
         rkind = HOST
     else:
         result, buf, rkind = output(kind or HOST, like, out, x.shape, dtype, name, state.comm)
-        x = _separate(x, buf, out, in_place=True)
+        x = separate(x, buf, out, in_place=True)
     n = x.size
     if buf is result and not mean:
         finish, keep = None, x
@@ -824,7 +813,7 @@ def _reduce_scatter(state, seconds: float, args: tuple) -> tuple:
         rows = _rows_divisible(x, state.size, name)
         shape = (rows, *x.shape[1:])
         result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-        x = _separate(x, buf, out)
+        x = separate(x, buf, out)
     count = buf.size
     if buf is result and not mean:
         finish, keep = None, x

@@ -51,7 +51,7 @@ import numpy as np
 
 from . import _shm
 from ._arrays import TORCH, datatype_of, kind_of, numpy_view
-from ._call import STEPS, Planning, _conclude, _on_node, group_of, run
+from ._call import STEPS, Planning, _conclude, _on_node, group_of
 from ._mpi import MPI
 from ._progress import PendingCollective, complete, mpi_error, one_pending, timeout_seconds
 from ._rows import _checked_reduce_scatter, planned_reduce_scatter
@@ -155,14 +155,12 @@ class Plan:
 
     __slots__ = (
         "__weakref__",
-        "_args",
         "_backend",
         "_finalizer",
         "_freed",
         "_node",
         "_opcode",
         "_parts",
-        "_prepare",
         "_req",
         "_seconds",
         "_stage",
@@ -176,7 +174,6 @@ class Plan:
         state = backend._state
         self.op_name = name
         self._backend, self._state, self._opcode = backend, state, opcode
-        self._prepare, self._args = prepare, args
         self._seconds = seconds = (
             backend._timeout if planning.timeout is None else timeout_seconds(planning.timeout)
         )
@@ -187,6 +184,8 @@ class Plan:
             self._x = None if x is None else _host_view(x, name)
             parts = prepare(state, seconds, args)
             steps = _PLANNED_STEPS.get(parts[2])
+            if steps is None and parts[7] is STEPS:  # every call of steps has its planned form
+                raise InvalidArgument(f"{name}: this call's steps have no planned form")
             if steps is None:
                 self._stage = self._staging(parts)
                 init = _persistent_init(state.comm, parts)
@@ -200,7 +199,9 @@ class Plan:
         if local is not None:
             raise local
         if steps is not None:  # their exchange now, once (collective): then a plain call
-            parts = steps[0](parts)
+            state.begin(opcode, parts[0], seconds)  # a record of its own
+            parts = steps[0](parts)  # which ends the record FAILED where it raises
+            state.end(DONE)
             self._stage = self._staging(parts)
             init = _persistent_init(state.comm, parts)
         route, post_args = parts[1], parts[3]
@@ -221,10 +222,9 @@ class Plan:
     def _staging(self, parts: tuple) -> np.ndarray | None:
         """The buffer the call copied the input into (sent from there), to refill at
         every call; None when MPI reads the input itself."""
-        post_args, wait = parts[3], parts[7]
-        if self._x is None or wait is STEPS:
+        if self._x is None:
             return None
-        buffers = _arrays_of(post_args)  # the send buffer first (the receive one in place)
+        buffers = _arrays_of(parts[3])  # the send buffer first (the receive one in place)
         if not buffers or np.shares_memory(buffers[0], self._x):
             return None
         send = buffers[0]
@@ -315,8 +315,6 @@ class Plan:
         self._prologue(x)
         state, opcode, seconds = self._state, self._opcode, self._seconds
         begin, route, post, post_args, result, finish, keep, wait = self._parts
-        if wait is STEPS:
-            return run(self._backend, opcode, seconds, True, self._prepare, self._args)
         if self._node and _on_node(self._backend, opcode, begin, route, seconds):
             if finish is not None:
                 finish(result, keep)
@@ -332,8 +330,6 @@ class Plan:
         self._prologue(x)
         state, opcode, seconds = self._state, self._opcode, self._seconds
         begin, _route, post, post_args, result, finish, keep, wait = self._parts
-        if wait is STEPS:
-            return run(self._backend, opcode, seconds, False, self._prepare, self._args)
         seq, req = self._begin(begin, post, post_args)
         if wait is None:
             return PendingCollective(state, opcode, seq, (req,), result, finish, seconds, keep=keep)
@@ -629,8 +625,8 @@ def _free_request(req) -> None:
 
 #: Steps that a plan runs once, when it is made: ``post: (plan_steps, init)``, where
 #: ``plan_steps(parts)`` exchanges (or checks) what the call's ``post`` would at each
-#: call and returns the parts of the plain call left, whose persistent form is
-#: ``comm.<init>``.
+#: call, within the operation's record (ended FAILED where it raises), and returns
+#: the parts of the plain call left, whose persistent form is ``comm.<init>``.
 _PLANNED_STEPS = {
     _uneven_steps: (planned_uneven, "Alltoallv_init"),
     _all_gather_v_steps: (planned_all_gather_v, "Allgatherv_init"),
@@ -642,12 +638,12 @@ _PLANNED_STEPS = {
 def _persistent_init(comm, parts: tuple):
     """MPI-4's persistent form of the call's ``I...`` request (``Iallreduce`` ->
     ``comm.Allreduce_init``; a sendrecv's pair of ``Recv_init`` and ``Send_init``),
-    or None: a call of steps, or an MPI without it."""
-    post, wait = parts[2], parts[7]
+    or None: an MPI without it (or the simulated backend)."""
+    post = parts[2]
     if post is _post_sendrecv:
         return _persistent_sendrecv if isinstance(comm, MPI.Comm) else None
     name = getattr(post, "__name__", "")
-    if wait is STEPS or not name.startswith("I") or getattr(post, "__self__", None) is not comm:
+    if not name.startswith("I") or getattr(post, "__self__", None) is not comm:
         return None
     return getattr(comm, name[1:2].upper() + name[2:] + "_init", None)
 

@@ -31,14 +31,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._arrays import DEVICE, HOST, TORCH, TORCH_DEVICE, check_rank, datatype_of, kind_of, output
+from ._arrays import (
+    DEVICE,
+    HOST,
+    TORCH,
+    TORCH_DEVICE,
+    check_rank,
+    datatype_of,
+    kind_of,
+    output,
+    separate,
+)
 from ._call import STEPS, conclusion, group_and_rank, run
 from ._dtypes import dtype_code, dtype_of_code, reduction, torch_reduce_op
 from ._mpi import MPI
 from ._progress import anywhere, wait_step
-from ._status_board import DONE, FAILED, OPCODE, OPS
+from ._status_board import FAILED, OPCODE, OPS
 from .backend import Backend
-from .collectives import _gathered_shape, _rows_divisible, _separate
+from .collectives import _gathered_shape, _rows_divisible
 from .errors import FerrompiError, InvalidArgument
 from .ops import ReduceOp
 from .typing import Timeout
@@ -77,7 +87,7 @@ def _reduce(state, seconds: float, args: tuple) -> tuple:
     n = x.size
     if state.rank == root:
         result, buf, rkind = output(kind, like, out, x.shape, x.dtype, name, state.comm)
-        x = _separate(x, buf, out, in_place=True)
+        x = separate(x, buf, out, in_place=True)
         finish, keep = conclusion(result, buf, state.size if mean else 0, x, rkind)
         send, recv = (_IN_PLACE if buf is x else [x, n, dt]), [buf, n, dt]
     else:
@@ -174,7 +184,7 @@ def _gather(state, seconds: float, args: tuple) -> tuple:
     if state.rank == root:
         shape = _gathered_shape(x, state.size, name)
         result, buf, rkind = output(kind, like, out, shape, x.dtype, name, state.comm)
-        x = _separate(x, buf, out)
+        x = separate(x, buf, out)
         finish, keep = conclusion(result, buf, 0, x, rkind)
         recv = [buf, n, dt]
     else:
@@ -294,7 +304,7 @@ def _scatter_source(state, rows, out, header: np.ndarray, name: str) -> tuple:
     header[_KIND] = _KINDS.index(kind)
     header[_SHAPE : _SHAPE + x.ndim] = shape
     made = output(kind, rows, out, shape, x.dtype, name, state.comm)
-    return _separate(x, made[1], out), made
+    return separate(x, made[1], out), made
 
 
 def _scatter_steps(state, seconds, opcode, root, header, x, made, out, rejection) -> tuple:
@@ -317,13 +327,11 @@ def _scatter_steps(state, seconds, opcode, root, header, x, made, out, rejection
 
 def planned_scatter(parts: tuple) -> tuple:
     """scatter's steps, planned (:mod:`ferrompi.plans`): the root's header is
-    broadcast once, now (a record of its own on the status board); a rank whose
-    ``out`` cannot take the rows makes every rank raise; and the call becomes an
-    ``Iscatter`` of a fixed shape, which every rank can make a persistent
-    ``Scatter_init``."""
+    broadcast once, now; a rank whose ``out`` cannot take the rows makes every
+    rank raise; and the call becomes an ``Iscatter`` of a fixed shape, which every
+    rank can make a persistent ``Scatter_init``."""
     state, seconds, opcode, root, header, x, made, out, rejection = parts[3]
     name = OPS[opcode]
-    seq = state.begin(opcode, parts[0], seconds)
     shape, dtype = _root_header(state, seconds, opcode, root, header, rejection)
     failure = None
     if made is None:
@@ -331,12 +339,11 @@ def planned_scatter(parts: tuple) -> tuple:
             made = _received(state, header, out, shape, dtype, name)
         except FerrompiError as exc:
             failure = exc
-    if anywhere(state, opcode, seq, failure is not None, seconds):
+    if anywhere(state, opcode, state.seq, failure is not None, seconds):
         state.end(FAILED)
         if failure is not None:
             raise failure
         raise InvalidArgument(f"{name}: a rank's out cannot take the source's rows {shape}")
-    state.end(DONE)
     post, args, result, finish, keep = _scatter_call(state, root, x, made, name)
     return parts[0], None, post, args, result, finish, keep, None
 

@@ -734,14 +734,13 @@ def _bucket_allreduce(view, backend):
 
 def _planned_bucket(plan: Plan, view):
     """The planned all-reduce of the bucket ``view``: in place where the plan's
-    memory is the bucket's, else through the plan's memory (copied in and out)."""
-    planned = plan._x
-    if _same_memory(planned, view):
+    memory is the bucket's, else through the plan's memory (the plan copies the
+    bucket in, and its result is copied back)."""
+    if _same_memory(plan._x, view):
         return lambda asynchronous: [plan.start() if asynchronous else plan()]
 
     def through(asynchronous: bool) -> list:
-        planned[...] = view
-        view[...] = plan()
+        view[...] = plan(view)
         return []
 
     return through

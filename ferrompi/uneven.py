@@ -36,7 +36,7 @@ from ._arrays import (
     is_device,
     kind_of,
     output,
-    overlaps,
+    separate,
 )
 from ._call import STEPS, conclusion, group_of, run
 from ._dtypes import dtype_code, dtype_of_code
@@ -275,7 +275,7 @@ def _uneven_steps(state, seconds, layout, header, x, inline, kind, like, out, se
             rkind.copy_into(result, buf)  # the caller's out, or a device result of a staged input
         state.end(DONE)
         return None, result, None, None  # done: no request
-    x = _separate(x, buf, out)
+    x = separate(x, buf, out)
     counts = _alltoallv_counts(send, received, row)
     post, args, keep = alltoallv_call(state, x, buf, dt, *counts)
     return (post(*args), result, *conclusion(result, buf, 0, keep, rkind))
@@ -319,28 +319,19 @@ def _alltoallv_counts(send: list[int], received: list[int], row: int) -> tuple:
 def planned_uneven(parts: tuple) -> tuple:
     """The uneven all-to-all's steps, planned (:mod:`ferrompi.plans`).
 
-    The split tables are exchanged and checked once, now (a record of their
-    own on the status board), and the call becomes an ``Ialltoallv`` of
-    fixed counts: the prepared call's parts, ``wait`` None, which every rank
-    can make a persistent ``Alltoallv_init``.
+    The split tables are exchanged and checked once, now, and the call
+    becomes an ``Ialltoallv`` of fixed counts: the prepared call's parts,
+    ``wait`` None, which every rank can make a persistent ``Alltoallv_init``.
     """
-    begin = parts[0]
     state, seconds, layout, header, x, _inline, kind, like, out, send, row, dt = parts[3]
-    state.begin(_UNEVEN, begin, seconds)
     received, _, result, buf, rkind = _exchange_tables(
         state, seconds, layout, header, x, -1, kind, like, out
     )
-    state.end(DONE)
-    x = _separate(x, buf, out)
+    x = separate(x, buf, out)
     counts = _alltoallv_counts(send, received, row)
     post, args, keep = alltoallv_call(state, x, buf, dt, *counts, copy_own=False)
     finish, keep = conclusion(result, buf, 0, keep, rkind)
-    return begin, None, post, args, result, finish, keep, None
-
-
-def _separate(x: np.ndarray, buf, out) -> np.ndarray:
-    """``x``, copied if the caller's ``out`` overlaps it (MPI forbids aliased buffers)."""
-    return x.copy() if out is not None and overlaps(x, buf) else x
+    return parts[0], None, post, args, result, finish, keep, None
 
 
 _INT = {int}
@@ -680,13 +671,9 @@ def _all_gather_v_steps(state, seconds: float, header, kind, like, x, out) -> tu
 
 def planned_all_gather_v(parts: tuple) -> tuple:
     """All-gather-v's steps, planned (:mod:`ferrompi.plans`): the headers are
-    exchanged and checked once, now (a record of their own on the status
-    board), and the call becomes an ``Iallgatherv`` of fixed counts, which every
-    rank can make a persistent ``Allgatherv_init``."""
-    state, seconds = parts[3][:2]
-    state.begin(_ALL_GATHER_V, parts[0], seconds)
+    exchanged and checked once, now, and the call becomes an ``Iallgatherv`` of
+    fixed counts, which every rank can make a persistent ``Allgatherv_init``."""
     post, args, result, finish, keep = _gathered_v(*parts[3])
-    state.end(DONE)
     return parts[0], None, post, args, result, finish, keep, None
 
 
