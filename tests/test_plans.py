@@ -191,6 +191,19 @@ def test_row_count_plans_check_their_counts_once(group):
     group.run(_row_count_plans)
 
 
+def _refilled(arrays: list, b, step: int) -> tuple[list, list]:
+    """Refill ``arrays`` for ``step``; the plain calls' SUM and MAX of them."""
+    for a in arrays:
+        a[...] = _data(b.rank, step, a.shape)
+    want_sum = fm.allreduce_coalesced([a.copy() for a in arrays], b)
+    return want_sum, fm.allreduce_coalesced([a.copy() for a in arrays], b, fm.ReduceOp.MAX)
+
+
+def _each_equal(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
 def _coalesced(b):
     n, r = b.world_size, b.rank
     arrays = [np.empty(3), np.empty((2, 2), np.float32), np.empty(5), np.empty(0)]
@@ -200,17 +213,11 @@ def _coalesced(b):
         fm.allreduce_coalesced_init(arrays, b, fm.ReduceOp.MAX, out=outs) as into,
     ):
         for step in range(3):
-            for a in arrays:
-                a[...] = _data(r, step, a.shape)
-            want_sum = fm.allreduce_coalesced([a.copy() for a in arrays], b)
-            want_max = fm.allreduce_coalesced([a.copy() for a in arrays], b, fm.ReduceOp.MAX)
-            for got, want in zip(views(), want_sum, strict=True):
-                np.testing.assert_array_equal(got, want)
+            want_sum, want_max = _refilled(arrays, b, step)
+            _each_equal(views(), want_sum)
             assert all(got is o for got, o in zip(into(), outs, strict=True))
-            for got, want in zip(outs, want_max, strict=True):
-                np.testing.assert_array_equal(got, want)
-            for got, want in zip(views.start().wait(), want_sum, strict=True):
-                np.testing.assert_array_equal(got, want)
+            _each_equal(outs, want_max)
+            _each_equal(views.start().wait(), want_sum)
     if n > 1:
         with pytest.raises(fm.InvalidArgument, match="do not fit together"):
             fm.allreduce_coalesced_init([np.ones(2 if r == 0 else 3)], b)
@@ -242,21 +249,14 @@ def _many_arrays(b):
         fm.allreduce_coalesced_init(arrays, b, out=arrays) as in_place,
     ):
         for step in range(3):
-            for a in arrays:
-                a[...] = _data(r, step, a.shape)
-            want = fm.allreduce_coalesced([a.copy() for a in arrays], b)
-            want_max = fm.allreduce_coalesced([a.copy() for a in arrays], b, fm.ReduceOp.MAX)
-            for got, w in zip(views(), want, strict=True):
-                np.testing.assert_array_equal(got, w)
+            want, want_max = _refilled(arrays, b, step)
+            _each_equal(views(), want)
             into()
-            for got, w in zip(outs, want_max, strict=True):
-                np.testing.assert_array_equal(got, w)
+            _each_equal(outs, want_max)
             numpy_copied()
-            for got, w in zip(strided, want, strict=True):
-                np.testing.assert_array_equal(got, w)
+            _each_equal(strided, want)
             in_place()
-            for got, w in zip(arrays, want, strict=True):
-                np.testing.assert_array_equal(got, w)
+            _each_equal(arrays, want)
         # MPI's copies: in for each, back into contiguous numpy outs (not the strided ones)
         expected = [1, 2, 1, 2] if isinstance(b.comm, MPI.Comm) else [0, 0, 0, 0]
         assert [len(p._copies) for p in (views, into, numpy_copied, in_place)] == expected
@@ -264,8 +264,7 @@ def _many_arrays(b):
     want = fm.allreduce_coalesced([h.copy() for h in halves], b)
     with fm.allreduce_coalesced_init(halves, b, out=halves) as in_place:
         in_place()
-    for got, w in zip(halves, want, strict=True):
-        np.testing.assert_array_equal(got, w)
+    _each_equal(halves, want)
 
 
 def test_a_planned_coalesced_call_of_many_arrays(group):
