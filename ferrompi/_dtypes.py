@@ -13,7 +13,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ._mpi import MPI
+from ._mpi import MPI, on_initialized
 from .errors import InvalidArgument, UnsupportedOp
 from .ops import ReduceOp
 
@@ -47,7 +47,7 @@ DATATYPES: dict[np.dtype, object] = {}
 if MPI is not None:
     for _dt in SUPPORTED_DTYPES:
         DATATYPES[_dt] = MPI.Datatype.fromcode(_dt.char)
-    DATATYPES[BFLOAT16] = MPI.UINT16_T.Dup()
+    on_initialized(lambda: DATATYPES.setdefault(BFLOAT16, MPI.UINT16_T.Dup()))
 
 
 def dtype_code(dtype: np.dtype) -> int:
@@ -133,24 +133,26 @@ NAN_MAX = NAN_MIN = None
 ELEMENTWISE_SUM = ELEMENTWISE_PROD = None
 #: The MPI operation of each name the table below uses.
 _MPI_OPS: dict[str, object] = {}
-if MPI is not None:
-    NAN_MAX, NAN_MIN = _elementwise(ORDERED_MAX), _elementwise(ORDERED_MIN)
-    ELEMENTWISE_SUM, ELEMENTWISE_PROD = _elementwise(np.add), _elementwise(np.multiply)
-    _MPI_OPS = {
-        **{name: getattr(MPI, name) for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR")},
-        **{name: getattr(MPI, name) for name in ("BXOR", "LAND", "LOR", "LXOR")},
-        "NAN_MAX": NAN_MAX,
-        "NAN_MIN": NAN_MIN,
-        "ELEMENTWISE_SUM": ELEMENTWISE_SUM,
-        "ELEMENTWISE_PROD": ELEMENTWISE_PROD,
-    }
-
 #: The numpy ufunc of each MPI reduction ferrompi uses, by the operation's
 #: handle: what the node engine and the simulated communicator compute.
 UFUNCS: dict[int, object] = {}
-if MPI is not None:
-    UFUNCS = {
-        op.handle: ufunc
+
+
+def _create_operations() -> None:
+    """Fill :data:`_MPI_OPS` and :data:`UFUNCS`; user-defined operations need MPI_Init."""
+    global NAN_MAX, NAN_MIN, ELEMENTWISE_SUM, ELEMENTWISE_PROD
+    NAN_MAX, NAN_MIN = _elementwise(ORDERED_MAX), _elementwise(ORDERED_MIN)
+    ELEMENTWISE_SUM, ELEMENTWISE_PROD = _elementwise(np.add), _elementwise(np.multiply)
+    _MPI_OPS.update(
+        {name: getattr(MPI, name) for name in ("SUM", "PROD", "MIN", "MAX", "BAND", "BOR")},
+        **{name: getattr(MPI, name) for name in ("BXOR", "LAND", "LOR", "LXOR")},
+        NAN_MAX=NAN_MAX,
+        NAN_MIN=NAN_MIN,
+        ELEMENTWISE_SUM=ELEMENTWISE_SUM,
+        ELEMENTWISE_PROD=ELEMENTWISE_PROD,
+    )
+    UFUNCS.update(
+        (op.handle, ufunc)
         for op, ufunc in (
             (MPI.SUM, np.add),
             (MPI.PROD, np.multiply),
@@ -167,7 +169,11 @@ if MPI is not None:
             (ELEMENTWISE_SUM, np.add),
             (ELEMENTWISE_PROD, np.multiply),
         )
-    }
+    )
+
+
+if MPI is not None:
+    on_initialized(_create_operations)
 
 # Per dtype kind: ReduceOp -> name of the MPI op. MEAN is a SUM followed by a
 # division, so it appears only for the kinds where the division is exact in type.

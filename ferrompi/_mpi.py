@@ -3,13 +3,44 @@
 ferrompi imports without an MPI library so that the error a user sees is
 :class:`~ferrompi.BackendUnavailable` with the loader's reason, raised by the
 first call that needs MPI, rather than an ImportError at ``import ferrompi``.
+
+Under a process manager (``mpiexec``, ``srun``: :data:`PM_VARIABLES` are
+set) MPI is initialised when mpi4py is imported, as mpi4py does by default.
+In a process that no process manager started (``torchrun``,
+``torch.multiprocessing``, plain ``python``), ``MPI_Init`` waits: the world
+may come from torch's rendezvous (:mod:`ferrompi._world` serves it the PMI
+a launcher would have), and MPI can be initialised only once. Then
+:func:`require_mpi` starts a world of this process alone (an MPI singleton)
+when nothing formed one first.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+from collections.abc import Mapping
+
 from .errors import BackendUnavailable
 
+#: Variables a process manager sets for every rank it starts (MPICH's and Intel
+#: MPI's Hydra, Slurm's PMI-1/PMI-2, PMIx, Open MPI's ORTE/PRRTE).
+PM_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def launched_by_process_manager(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an MPI process manager started this process (any of :data:`PM_VARIABLES`)."""
+    env = os.environ if environ is None else environ
+    return any(v in env for v in PM_VARIABLES)
+
+
 try:
+    import mpi4py
+
+    if not launched_by_process_manager():
+        # Keep MPI_Init for later: torch's rendezvous may still give this process a
+        # world (ferrompi._world); mpi4py finalizes at exit whoever initialised.
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
     from mpi4py import MPI
 except (ImportError, RuntimeError, OSError) as exc:  # no mpi4py, or no libmpi
     MPI = None
@@ -17,10 +48,38 @@ except (ImportError, RuntimeError, OSError) as exc:  # no mpi4py, or no libmpi
 else:
     LOAD_ERROR = ""
 
-__all__ = ["MPI", "LOAD_ERROR", "require_mpi"]
+__all__ = [
+    "MPI",
+    "LOAD_ERROR",
+    "PM_VARIABLES",
+    "launched_by_process_manager",
+    "require_loaded",
+    "require_mpi",
+    "initialize",
+    "on_initialized",
+]
+
+_PENDING: list = []  # what on_initialized keeps for the moment MPI is initialised
 
 
-def require_mpi() -> None:
+def on_initialized(setup) -> None:
+    """Run ``setup()`` now if MPI is initialised, else once it is (:func:`require_mpi`).
+
+    For MPI objects a module makes at import (a derived datatype), which
+    need ``MPI_Init`` first.
+    """
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        setup()
+    else:
+        _PENDING.append(setup)
+
+
+def _run_pending() -> None:
+    while _PENDING:
+        _PENDING.pop(0)()
+
+
+def require_loaded() -> None:
     """Raise :class:`BackendUnavailable` if the MPI library could not be loaded."""
     if MPI is None:
         raise BackendUnavailable(
@@ -28,3 +87,50 @@ def require_mpi() -> None:
             f"mpi4py could not load an MPI library ({LOAD_ERROR}); install one, "
             "e.g. pip install 'ferrompi[mpich]'",
         )
+    if MPI.Is_finalized():
+        raise BackendUnavailable("mpi", "MPI has been finalized in this process")
+
+
+def initialize() -> None:
+    """``MPI_Init_thread`` at mpi4py's thread level (``mpi4py.rc.thread_level``)."""
+    require_loaded()
+    level = {
+        "single": MPI.THREAD_SINGLE,
+        "funneled": MPI.THREAD_FUNNELED,
+        "serialized": MPI.THREAD_SERIALIZED,
+    }.get(str(mpi4py.rc.thread_level), MPI.THREAD_MULTIPLE)
+    MPI.Init_thread(level)
+    _INITIALIZED_HERE.append(True)
+    _run_pending()
+
+
+_INITIALIZED_HERE: list[bool] = []
+
+
+def _finalize_at_exit() -> None:
+    """``MPI_Finalize`` at exit where :func:`initialize` ran ``MPI_Init``.
+
+    mpi4py finalizes only where it initialised, or where its ``rc.finalize``
+    said so before its import (a plugin may import it before ferrompi can
+    say); the world's PMI server counts a rank that exits unfinalized as dead.
+    Registered when this module is imported, before ferrompi's other exit
+    handlers, so it runs after them.
+    """
+    if _INITIALIZED_HERE and MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+atexit.register(_finalize_at_exit)
+
+
+def require_mpi() -> None:
+    """Raise :class:`BackendUnavailable` if MPI cannot be used; initialise it if no one has.
+
+    A process that no launcher started and whose world nothing formed yet
+    becomes a world of one rank here.
+    """
+    require_loaded()
+    if not MPI.Is_initialized():
+        initialize()
+    elif _PENDING:  # initialised by someone else (mpi4py's own MPI.Init)
+        _run_pending()

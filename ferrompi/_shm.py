@@ -85,7 +85,7 @@ import numpy as np
 from . import _status_board
 from ._dtypes import UFUNCS as _UFUNCS
 from ._dtypes import dtype_code, dtype_of_code
-from ._mpi import MPI
+from ._mpi import MPI, on_initialized
 from .errors import InvalidArgument
 
 __all__ = [
@@ -167,8 +167,14 @@ _PAGE = 4096  # rounds start on page boundaries of the window
 #: "Where the constants in the code come from").
 RING_BYTES = 2 << 20
 
-# (index in _UFUNCS, ufunc) by the op's handle: one lookup per call
-_REDUCTIONS = {handle: (i, ufunc) for i, (handle, ufunc) in enumerate(_UFUNCS.items())}
+# (index in _UFUNCS, ufunc) by the op's handle: one lookup per call; filled once
+# _UFUNCS is, when MPI is initialised
+_REDUCTIONS: dict[int, tuple[int, object]] = {}
+on_initialized(
+    lambda: _REDUCTIONS.update(
+        {handle: (i, ufunc) for i, (handle, ufunc) in enumerate(_UFUNCS.items())}
+    )
+)
 _KINDS = ("allreduce", "reduce_scatter", "all_gather")
 
 

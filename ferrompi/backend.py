@@ -41,6 +41,7 @@ from ._comm_state import CommState
 from ._mpi import MPI, require_mpi
 from ._progress import mpi_error, timeout_seconds
 from ._simcomm import SimComm
+from ._world import form_world_from_environment
 from .errors import InvalidArgument, InvalidWorldSize
 from .flight import dump_participant
 from .launch import LaunchInfo
@@ -375,6 +376,7 @@ def init(*, timeout: Timeout = None) -> MPIBackend:
         If no MPI library can be loaded.
     """
     global _WORLD
+    form_world_from_environment(timeout_seconds(timeout))  # under torchrun, before MPI starts alone
     require_mpi()
     with _INIT_LOCK:
         if _WORLD is None or _WORLD._state.destroyed:

@@ -42,18 +42,16 @@ import socket
 import threading
 from collections.abc import Mapping
 
-from ._mpi import MPI
+from ._mpi import MPI, PM_VARIABLES
+from ._world import formed
 from .errors import InvalidArgument
 
 __all__ = ["LaunchInfo", "expand_nodelist"]
 
 logger = logging.getLogger("ferrompi")
 
-LAUNCHERS = ("slurm", "mpiexec", "single")
+LAUNCHERS = ("slurm", "mpiexec", "torch", "single")
 
-# Variables a process manager sets for every rank it starts (MPICH/Hydra and
-# Slurm's PMI-1/PMI-2, PMIx, Open MPI's ORTE/PRRTE).
-_PM_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
 # Variables an mpiexec sets for its ranks and srun does not (MPICH's and Intel
 # MPI's Hydra; Open MPI's mpirun/prterun), even when its helpers run under srun.
 _MPIEXEC_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_RANK")
@@ -65,10 +63,12 @@ class LaunchInfo:
 
     Attributes
     ----------
-    launcher : {"slurm", "mpiexec", "single"}
+    launcher : {"slurm", "mpiexec", "torch", "single"}
         ``"slurm"``: the ranks are the tasks of one Slurm step (``srun``);
         ``"mpiexec"``: started by an ``mpiexec``/``mpirun`` (also inside a
         Slurm allocation: the Slurm fields then describe the job around it);
+        ``"torch"``: started by ``torchrun``, ``torch.multiprocessing`` or by
+        hand, the world formed by ferrompi from torch's rendezvous;
         ``"single"``: one process started without a launcher (a singleton
         MPI world).
     rank, world_size : int
@@ -241,7 +241,9 @@ def detect(comm, environ: Mapping[str, str] | None = None) -> LaunchInfo:
     by_srun = bool(comm.allreduce(int(by_srun), op=MPI.MIN))
     if by_srun:
         launcher = "slurm"
-    elif size > 1 or any(v in env for v in _PM_VARIABLES):
+    elif formed():
+        launcher = "torch"
+    elif size > 1 or any(v in env for v in PM_VARIABLES):
         launcher = "mpiexec"
     else:
         launcher = "single"

@@ -56,8 +56,10 @@ import torch
 import torch.distributed as dist
 
 from ._arrays import numpy_view
-from ._mpi import MPI, require_mpi
+from ._mpi import MPI, require_loaded, require_mpi
+from ._progress import timeout_seconds
 from ._status_board import helper_thread
+from ._world import form_world
 from .backend import MPIBackend, init
 from .collectives import (
     all_gather,
@@ -764,12 +766,27 @@ _WORLD: list = []  # the bridge's own duplicate of the world, parent of its sub-
 
 
 def _create(dist_backend_opts, backend_options) -> ProcessGroupFerrompi:
-    """torch's creator of a ``"ferrompi"`` group: the members' communicator, wrapped."""
-    require_mpi()
+    """torch's creator of a ``"ferrompi"`` group: the members' communicator, wrapped.
+
+    The first group of a process that no MPI launcher started forms the MPI
+    world from torch's rendezvous (its store, rank and size): ``torchrun``,
+    ``torch.multiprocessing``, any ``init_method``.
+    """
+    timeout = dist_backend_opts.timeout  # a timedelta, as ferrompi takes it
+    require_loaded()
+    first = not _WORLD or _WORLD[0]._state.destroyed
+    if first and (
+        not MPI.Is_initialized() or MPI.COMM_WORLD.Get_size() != dist_backend_opts.group_size
+    ):  # no world yet (or a singleton MPI: form_world says how to launch instead)
+        form_world(
+            dist_backend_opts.store,
+            dist_backend_opts.group_rank,
+            dist_backend_opts.group_size,
+            timeout_seconds(timeout),
+        )
     init()
     world_size = MPI.COMM_WORLD.Get_size()
     members = list(dist_backend_opts.global_ranks_in_group) or list(range(world_size))
-    timeout = dist_backend_opts.timeout  # a timedelta, as ferrompi takes it
     if dist_backend_opts.group_size != len(members):
         raise InvalidArgument(
             f"ferrompi backend: group of {dist_backend_opts.group_size} ranks but "

@@ -53,7 +53,7 @@ def _python(code: str, **env: str) -> str:
     return done.stdout
 
 
-_REPORT = "import ferrompi as fm; print(fm.cuda_aware()); print(fm.gpu.cuda_aware_reason())"
+_REPORT = "import ferrompi as fm; fm.init(); print(fm.cuda_aware()); print(fm.gpu.cuda_aware_reason())"
 
 
 @pytest.mark.parametrize("value", ["0", "1"])
@@ -104,6 +104,7 @@ def test_the_installed_mpich_answers_no_because_it_is_built_without_cuda():
         pytest.skip(f"describes an MPICH built without CUDA (the PyPI wheel); here: {configure}")
     # The library exports MPICH's query, and it says "no": the wheel's
     # configure line has no --with-cuda, so its GPU layer has no CUDA backend.
+    fm.init()  # the library is asked between MPI_Init and MPI_Finalize
     lib = ctypes.CDLL(gpu.mpi_library_path())
     assert hasattr(lib, "MPIX_GPU_query_support")
     answer, how = gpu.ask_library()
