@@ -835,7 +835,9 @@ def _store_over_mpi(timeout: datetime.timedelta):
     # which makes no MPI progress: under MPICH's OFI netmod the others' bcast can
     # still need rank 0's progress after rank 0's bcast returned (a hang otherwise).
     comm.Barrier()
-    return _rendezvous._create_c10d_store(host, port, rank, size, timeout)
+    # (not torch's _create_c10d_store: under torchrun it would make every rank a client
+    # of the agent's store, and MASTER_ADDR / MASTER_PORT are not set here)
+    return dist.TCPStore(host, port, size, rank == 0, timeout, multi_tenant=True)
 
 
 # the module (torch.distributed's attribute of that name is its function)

@@ -53,7 +53,9 @@ def _python(code: str, **env: str) -> str:
     return done.stdout
 
 
-_REPORT = "import ferrompi as fm; fm.init(); print(fm.cuda_aware()); print(fm.gpu.cuda_aware_reason())"
+_REPORT = (
+    "import ferrompi as fm; fm.init(); print(fm.cuda_aware()); print(fm.gpu.cuda_aware_reason())"
+)
 
 
 @pytest.mark.parametrize("value", ["0", "1"])

@@ -1,0 +1,462 @@
+"""Worlds that no MPI launcher started: torchrun, torch.multiprocessing and plain processes.
+
+Every test launches its own job from plain pytest (none runs under
+``mpiexec``) under a hard outer timeout, and afterwards lists the machine's
+processes: no PMI server and no rank of the job may be left. The torch
+stacks (DDP, FSDP2, DTensor/TP, pipelining, functional collectives) run as
+ferrompi's own MPI suites do, under ``torchrun`` instead of ``mpiexec``;
+two ``torchrun`` agents on this machine are two nodes of one world, with
+MPI's traffic between them on the network path. Skipped without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from support import json_lines
+
+torch = pytest.importorskip("torch")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BIN = pathlib.Path(sys.executable).parent
+TORCHRUN = str(BIN / "torchrun")
+OUTER_TIMEOUT = 240  # seconds: far above every expected duration below
+
+pytestmark = [
+    pytest.mark.skipif(not (BIN / "torchrun").exists(), reason="needs torch's torchrun"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+# pytest-mpi imports mpi4py.MPI before ferrompi: without this mpi4py would start
+# MPI alone in each process at that import (docs/torch.md, "Launchers")
+PYTEST_UNDER_TORCHRUN = {"MPI4PY_RC_INITIALIZE": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job_processes(marker: str) -> list[str]:
+    """The command lines of this machine's processes that mention ``marker``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+@pytest.fixture
+def no_process_left(tmp_path):
+    """After the test: no PMI server of ferrompi and no process of the test's job."""
+    servers_before = set(_job_processes("ferrompi._pmi_server"))
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        left = [p for p in _job_processes("ferrompi._pmi_server") if p not in servers_before]
+        left += _job_processes(str(tmp_path))
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for line in left:
+        try:
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, "processes left after the job:\n" + "\n".join(left)
+
+
+def _script(tmp_path, source: str, name: str = "job.py") -> pathlib.Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def torchrun(tmp_path, *args: str, env=None, timeout: float = OUTER_TIMEOUT):
+    """``torchrun --standalone ARGS`` from the repository root; the completed process."""
+    return subprocess.run(
+        [TORCHRUN, "--standalone", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+
+
+def plain_processes(script, n: int, *, ranks=None, env=None, prefix=(), args=(), port=None):
+    """Start ``python script *args`` for each rank in ``ranks`` (default all ``n``), with
+    the variables of torch's ``env://`` rendezvous (store at ``port``) and nothing of
+    MPI's; ``{rank: Popen}``."""
+    port = port or _free_port()
+    procs = {}
+    for rank in range(n) if ranks is None else ranks:
+        variables = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(n),
+            **(env or {}),
+        }
+        procs[rank] = subprocess.Popen(
+            [sys.executable, *prefix, str(script), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=variables,
+            cwd=script.parent,
+        )
+    return procs
+
+
+def _finish(procs, timeout: float = OUTER_TIMEOUT):
+    """Wait for every process; ``{rank: (returncode, stdout, stderr, ended_at)}``."""
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        for rank, proc in procs.items():
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = time.time()
+        time.sleep(0.02)
+    out = {}
+    for rank, proc in procs.items():
+        if rank not in ended:
+            proc.kill()
+        stdout, stderr = proc.communicate()
+        out[rank] = (proc.returncode, stdout, stderr, ended.get(rank))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# torchrun: the torch stacks, a DCP reshard, the launch information
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_torchrun_runs_the_torch_stacks(tmp_path, no_process_left, n):
+    run = torchrun(
+        tmp_path,
+        f"--nproc-per-node={n}",
+        "-m",
+        "pytest",
+        "-q",
+        "--with-mpi",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=120",
+        "--timeout-method=thread",
+        f"--basetemp={tmp_path / 'pytest'}",
+        "tests/test_torch_stacks.py",
+        "tests/test_torch_launch_info.py",
+        "tests/test_torch_backend.py",
+        env=PYTEST_UNDER_TORCHRUN,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summaries = [ln for ln in run.stdout.splitlines() if " passed" in ln]
+    assert len(summaries) == n, run.stdout[-3000:]  # one pytest session per rank
+    assert all("failed" not in ln and "error" not in ln for ln in summaries), summaries
+
+
+DCP_SAVE_LOAD = """
+    import json, sys, warnings
+    warnings.simplefilter("ignore")
+    import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    import ferrompi.torch
+
+    dist.init_process_group("ferrompi")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(96.0).reshape(24, 4)
+    weights = distribute_tensor(full if sys.argv[1] == "save" else torch.zeros(24, 4),
+                                mesh, [Shard(0)])
+    state = {"weights": weights, "step": torch.tensor(7 if sys.argv[1] == "save" else 0)}
+    if sys.argv[1] == "save":
+        dcp.save(state, checkpoint_id=sys.argv[2])
+    else:
+        dcp.load(state, checkpoint_id=sys.argv[2])
+        assert torch.equal(state["weights"].full_tensor(), full), "resharded load differs"
+        print(json.dumps({"rank": dist.get_rank(), "step": state["step"].item(),
+                          "shape": list(state["weights"].to_local().shape)}), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_dcp_saved_by_4_torchrun_ranks_loads_resharded_on_2(tmp_path, no_process_left):
+    script = _script(tmp_path, DCP_SAVE_LOAD)
+    ckpt = str(tmp_path / "ckpt")
+    run = torchrun(tmp_path, "--nproc-per-node=4", str(script), "save", ckpt)
+    assert run.returncode == 0, run.stderr[-3000:]
+    run = torchrun(tmp_path, "--nproc-per-node=2", str(script), "load", ckpt)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json_lines(run.stdout) == {
+        r: {"rank": r, "step": 7, "shape": [12, 4]} for r in range(2)
+    }, run.stdout
+
+
+# ---------------------------------------------------------------------------
+# torch.multiprocessing and plain processes
+# ---------------------------------------------------------------------------
+
+SPAWNED = """
+    import json, os, sys, warnings
+    warnings.simplefilter("ignore")
+    import numpy as np
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    import ferrompi as fm
+    import ferrompi.torch
+
+    def worker(rank, size, init_method, out):
+        dist.init_process_group("ferrompi", init_method=init_method, rank=rank,
+                                world_size=size)
+        gloo = dist.new_group(backend="gloo")
+        from mpi4py import MPI
+        x = torch.arange(6.0) * (rank + 1)
+        mine, theirs = x.clone(), x.clone()
+        dist.all_reduce(mine)
+        dist.all_reduce(theirs, group=gloo)
+        rows = [torch.zeros(2) for _ in range(size)]
+        dist.all_gather(rows, torch.full((2,), float(rank)))
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"rank": rank, "mpi": [MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size],
+                       "launcher": fm.launch_info().launcher,
+                       "equal": torch.equal(mine, theirs), "sum": mine.tolist(),
+                       "rows": [r.tolist() for r in rows]}, f)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        size, init_method, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+        mp.spawn(worker, args=(size, init_method, out), nprocs=size)
+"""
+
+
+@pytest.mark.parametrize("scheme", ["file", "tcp"])
+def test_torch_multiprocessing_spawn_forms_one_world(tmp_path, no_process_left, scheme):
+    script = _script(tmp_path, SPAWNED)
+    size = 3
+    init = f"file://{tmp_path / 'store'}" if scheme == "file" else f"tcp://127.0.0.1:{_free_port()}"
+    run = subprocess.run(
+        [sys.executable, str(script), str(size), init, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=OUTER_TIMEOUT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    total = (np.arange(6.0) * sum(r + 1 for r in range(size))).tolist()
+    for rank in range(size):
+        report = json.loads((tmp_path / f"out.{rank}").read_text())
+        assert report == {
+            "rank": rank,
+            "mpi": [rank, size],
+            "launcher": "torch",
+            "equal": True,
+            "sum": total,
+            "rows": [[float(r)] * 2 for r in range(size)],
+        }
+
+
+NUMPY_WORLD = """
+    import json, os, sys
+    import numpy as np
+    import ferrompi as fm
+
+    world = fm.init()
+    total = fm.allreduce(np.full(3, float(world.rank)), world)
+    info = fm.launch_info()
+    print(json.dumps({"rank": world.rank, "size": world.world_size, "sum": total.tolist(),
+                      "launcher": info.launcher, "nodes": list(info.ranks_per_node)}),
+          flush=True)
+    if len(sys.argv) > 1:  # hold the world until the test says
+        while not os.path.exists(sys.argv[1]):
+            fm.barrier(world)
+"""
+
+
+def test_plain_processes_with_torchs_variables_form_a_numpy_world(tmp_path, no_process_left):
+    script = _script(tmp_path, NUMPY_WORLD)
+    results = _finish(plain_processes(script, 4))
+    for rank, (code, out, err, _) in results.items():
+        assert code == 0, err[-2000:]
+        assert json.loads(out) == {
+            "rank": rank,
+            "size": 4,
+            "sum": [6.0] * 3,
+            "launcher": "torch",
+            "nodes": [4],
+        }
+
+
+def test_simulated_nodes_have_a_node_engine_each(tmp_path, no_process_left):
+    script = _script(tmp_path, NUMPY_WORLD)
+    procs = {}
+    port = _free_port()
+    for rank in range(4):  # ranks 0-1 pose as one node, 2-3 as another
+        env = {"FERROMPI_NODE": f"node{rank // 2}"}
+        procs.update(plain_processes(script, 4, ranks=[rank], env=env, port=port))
+    for code, out, err, _ in _finish(procs).values():
+        assert code == 0, err[-2000:]
+        assert json.loads(out)["nodes"] == [2, 2], out
+
+
+# ---------------------------------------------------------------------------
+# failures: a dead rank, MPI_Abort, a rank that never comes, MPI started first
+# ---------------------------------------------------------------------------
+
+DIES = """
+    import os, sys, time
+    import numpy as np
+    import ferrompi as fm
+
+    world = fm.init()
+    fm.allreduce(np.ones(4), world)
+    if world.rank == 1:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "died"), "w") as f:
+            f.write(repr(time.time()))
+        os._exit(3)
+    fm.barrier(world, timeout=float("inf"))  # would wait for rank 1 forever
+"""
+
+
+def test_a_rank_that_dies_ends_the_job_within_5_s_naming_it(tmp_path, no_process_left):
+    script = _script(tmp_path, DIES)
+    stamp = tmp_path / "died"
+    procs = plain_processes(script, 3)
+    pid = procs[1].pid
+    results = _finish(procs, timeout=60)
+    died = float(stamp.read_text())
+    assert results[1][0] == 3
+    for rank in (0, 2):
+        code, _, err, ended = results[rank]
+        assert code != 0, err
+        assert ended - died < 5.0, (ended - died, err)
+        assert f"rank 1 (pid {pid} on {socket.gethostname()}) exited before MPI_Finalize" in err
+        assert "exit status 3" in err, err
+
+
+RAISES = """
+    import numpy as np
+    import ferrompi as fm
+
+    world = fm.init()
+    fm.allreduce(np.ones(4), world)
+    if world.rank == 2:
+        raise ValueError("rank 2 gives up")
+    fm.barrier(world, timeout=float("inf"))
+"""
+
+
+def test_mpi_abort_of_one_rank_ends_every_rank(tmp_path, no_process_left):
+    script = _script(tmp_path, RAISES)
+    start = time.monotonic()
+    results = _finish(plain_processes(script, 3, prefix=("-m", "ferrompi")), timeout=60)
+    assert time.monotonic() - start < 30
+    assert "ValueError: rank 2 gives up" in results[2][2]
+    for rank, (code, _, err, _) in results.items():
+        assert code != 0, (rank, err)
+        assert "rank 2" in err and "MPI_Abort" in err, (rank, err)
+
+
+LATE = """
+    import datetime, sys
+    import torch.distributed as dist
+    import ferrompi as fm
+    import ferrompi.torch
+
+    rank = int(sys.argv[1])
+    try:
+        dist.init_process_group("ferrompi", init_method=sys.argv[2], rank=rank, world_size=3,
+                                timeout=datetime.timedelta(seconds=4))
+    except fm.CollectiveTimeout as exc:
+        print(f"missing {list(exc.missing)}: {exc}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("absent", [2, 0])
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(tmp_path, no_process_left, absent):
+    script = _script(tmp_path, LATE)
+    init = f"file://{tmp_path / 'store'}"
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), init],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+        if r != absent
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert time.monotonic() - start < 4 + 15
+    for proc, (out, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.startswith(f"missing [{absent}]:"), out + err[-2000:]
+        assert "timed out after 4 s" in out
+
+
+MPI_FIRST = """
+    from mpi4py import MPI  # starts MPI alone in this process, before ferrompi could
+    import torch.distributed as dist
+    import ferrompi.torch
+
+    dist.init_process_group("ferrompi")
+"""
+
+
+def test_mpi_started_before_ferrompi_is_refused_saying_how_to_launch(tmp_path, no_process_left):
+    script = _script(tmp_path, MPI_FIRST)
+    run = torchrun(tmp_path, "--nproc-per-node=2", str(script), timeout=120)
+    assert run.returncode != 0
+    assert "MPI was initialised before ferrompi could form torch's world of 2 ranks" in (run.stderr)
+    assert "MPI4PY_RC_INITIALIZE=0" in run.stderr
+
+
+def test_a_stranger_is_refused_and_logged_and_the_job_goes_on():
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ferrompi._pmi_server", "2", "30"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server.stdin.write("the-token\n")
+        server.stdin.close()
+        port = int(server.stdout.readline())
+        hello = "ferrompi-hello token={} rank={} pid=1 host=h node=h\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as stranger:
+            stranger.sendall(hello.format("not-the-token", 0).encode())
+            assert stranger.recv(100) == b""  # closed without a word
+        ranks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        for rank, sock in enumerate(ranks):
+            sock.sendall(hello.format("the-token", rank).encode())
+        assert [sock.recv(100) for sock in ranks] == [b"ferrompi-go\n"] * 2
+        for sock in ranks:  # gone before MPI_Finalize: the server ends the job
+            sock.close()
+        server.wait(timeout=30)
+        err = server.stderr.read()
+    finally:
+        server.kill()
+    assert "refused a connection from 127.0.0.1" in err and "not this job's token" in err, err
+    assert "rank 0 (pid 1 on h) exited before MPI_Finalize" in err, err
