@@ -75,13 +75,22 @@ def _fields(line: str) -> dict[str, str]:
     return dict(word.split("=", 1) for word in line.split() if "=" in word)
 
 
-def _exit_status(pid: int) -> str:
-    """What this host still knows of how ``pid`` ended (a zombie's exit code)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return "exit status unknown (its parent has already collected it)"
+def _exit_status(pid: int, wait: float = 1.0) -> str:
+    """What this host still knows of how ``pid`` ended (a zombie's exit code).
+
+    A process's sockets close while it is being torn down, a moment before it
+    becomes a zombie: wait up to ``wait`` seconds for that.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return "exit status unknown (its parent has already collected it)"
+        if fields[0] == "Z" or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     if fields[0] != "Z" or len(fields) < 50:
         return "exit status unknown (still running: it closed its connection)"
     code = int(fields[49])
@@ -119,6 +128,7 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(listener, selectors.EVENT_READ, ("listen", None))
         self.host = socket.gethostname()
+        self.parent = os.getppid()  # rank 0: before the job starts, the server lives with it
         self.trace = bool(os.environ.get("FERROMPI_PMI_TRACE"))  # log every PMI command
 
     # -- plumbing ---------------------------------------------------------------
@@ -304,6 +314,11 @@ class _Server:
     def run(self) -> None:
         while True:
             if self.started and all(i.gone for i in self.ranks.values()):
+                return
+            if not self.started and os.getppid() != self.parent:
+                self.log("rank 0, which started this server, is gone before the job started")
+                for info in self.ranks.values():
+                    self.send(info.control, "ferrompi-missing 0\n")
                 return
             if not self.started and time.monotonic() > self.deadline:
                 missing = [r for r in range(self.size) if r not in self.ranks]

@@ -35,11 +35,18 @@ __all__ = [
     "formed",
     "node_name",
     "torch_environment",
+    "server_key",
     "SERVER_KEY",
 ]
 
-#: The store key under which rank 0 publishes ``HOST PORT TOKEN`` of the server.
+#: The store key under which rank 0 publishes ``HOST PORT TOKEN`` of the server
+#: (:func:`server_key` adds the round of an elastic job).
 SERVER_KEY = "ferrompi/pmi_server"
+
+
+def server_key() -> str:
+    """:data:`SERVER_KEY` of this round: torchrun's agent keeps its store across restarts."""
+    return f"{SERVER_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 # The rendezvous variables torchrun (and torch's env:// rendezvous) give each worker.
 _TORCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -158,10 +165,10 @@ def form_world(store, rank: int, size: int, timeout: float) -> None:
     started = time.monotonic()
     if rank == 0:
         host, port, token = _start_server(size, timeout)
-        store.set(SERVER_KEY, f"{host} {port} {token}")
+        store.set(server_key(), f"{host} {port} {token}")
     else:
         try:
-            host, port, token = store.get(SERVER_KEY).decode().split()
+            host, port, token = store.get(server_key()).decode().split()
         except Exception as exc:  # torch's store raises its own error class on a timeout
             raise CollectiveTimeout(
                 timeout,

@@ -460,3 +460,137 @@ def test_a_stranger_is_refused_and_logged_and_the_job_goes_on():
         server.kill()
     assert "refused a connection from 127.0.0.1" in err and "not this job's token" in err, err
     assert "rank 0 (pid 1 on h) exited before MPI_Finalize" in err, err
+
+
+# ---------------------------------------------------------------------------
+# elastic restarts: a killed worker, a lost agent
+# ---------------------------------------------------------------------------
+
+DDP_EXAMPLE = ROOT / "examples" / "torch_ddp.py"
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """The processes whose parent is ``pid`` and whose command line mentions ``marker``."""
+    found = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if ppid == pid and marker in cmd:
+            found.append(int(child))
+    return sorted(found)
+
+
+def _wait_for(path: pathlib.Path, proc, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def _params(path) -> dict:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_elastic_restart_after_a_killed_worker_ends_bit_for_bit_as_uninterrupted(
+    tmp_path, no_process_left
+):
+    def ddp(name: str) -> list[str]:
+        return [
+            str(DDP_EXAMPLE),
+            "--ckpt-dir",
+            str(tmp_path / name),
+            "--out",
+            f"{tmp_path / name}.npz",
+        ]
+
+    run = torchrun(tmp_path, "--nproc-per-node=2", *ddp("full"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    job = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", *ddp("killed")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(tmp_path / "killed" / "metadata.json", job)  # the first checkpoint
+        workers = _children(job.pid, str(DDP_EXAMPLE))
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)  # mid-training, after step 40's checkpoint
+        out, err = job.communicate(timeout=OUTER_TIMEOUT)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert "exited before MPI_Finalize, killed by signal 9" in err or "SIGKILL" in err, err
+    assert "resumed at step " in out and "on 2 ranks" in out, out
+    full, resumed = _params(tmp_path / "full.npz"), _params(tmp_path / "killed.npz")
+    assert full.keys() == resumed.keys()
+    assert all(np.array_equal(resumed[k], full[k]) for k in full)  # bit for bit
+
+
+def test_two_agents_as_two_nodes_lose_one_and_go_on_at_2_ranks_resharded(tmp_path, no_process_left):
+    port = _free_port()
+    ckpt = tmp_path / "ckpt"
+    agent = [
+        TORCHRUN,
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=two-agents",
+        "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "--max-restarts=1",
+        str(DDP_EXAMPLE),
+        "--ckpt-dir",
+        str(ckpt),
+        "--epochs",
+        "12",
+    ]
+    # MPI's traffic between the two agents' ranks on the network path (TCP), not shared memory
+    env = {**os.environ, "UCX_TLS": "tcp,self"}
+
+    def start():
+        return subprocess.Popen(
+            agent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        )
+
+    host = start()  # binds the rendezvous store: the agent that stays
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and host.poll() is None, host.communicate()
+            time.sleep(0.1)
+    other = start()
+    try:
+        _wait_for(ckpt / "metadata.json", host)
+        saved_by = json.loads((ckpt / "metadata.json").read_text())
+        # the node is lost: its agent and its two workers (each in a session of its own)
+        for pid in [other.pid, *_children(other.pid, str(DDP_EXAMPLE))]:
+            os.kill(pid, signal.SIGKILL)
+        other.communicate()
+        out, err = host.communicate(timeout=OUTER_TIMEOUT)
+    finally:
+        for proc in (host, other):
+            proc.kill()
+    assert host.returncode == 0, err[-3000:]
+    assert saved_by["world_size"] == 4, saved_by  # the first round: both agents, 4 ranks
+    assert "resumed at step " in out and "on 2 ranks" in out, out + err[-2000:]
+    accuracy = [ln for ln in out.splitlines() if ln.startswith("final test accuracy")]
+    assert accuracy and accuracy[0].endswith("on 2 ranks") and float(accuracy[0].split()[3]) > 0.9
