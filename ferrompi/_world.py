@@ -48,6 +48,7 @@ def server_key() -> str:
     """:data:`SERVER_KEY` of this round: torchrun's agent keeps its store across restarts."""
     return f"{SERVER_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
+
 # The rendezvous variables torchrun (and torch's env:// rendezvous) give each worker.
 _TORCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 

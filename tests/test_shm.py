@@ -131,6 +131,19 @@ def test_allreduce_hierarchical(engine_everywhere, monkeypatch):
     assert b._state.shm.rail is not None
 
 
+def test_allreduce_over_the_nodes_mpi_reports(engine_everywhere):
+    # The nodes are MPI's own (no FERROMPI_SHM_GROUP_SIZE): one node under mpiexec
+    # here; two when two torchrun agents make the world (tests/test_torch_launchers.py),
+    # whose ranks then meet across nodes on MPI's network path, leaders per rail.
+    nodes = MPI.COMM_WORLD.allreduce(
+        int(MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank() == 0)
+    )
+    assert nodes == fm.launch_info().node_count
+    b = fresh_world()
+    check_allreduce(b)
+    assert (b._state.shm.rail is not None) is (nodes > 1), nodes
+
+
 def test_reduce_scatter_and_all_gather_on_one_node(engine_everywhere):
     b = fresh_world()
     p, r = b.world_size, b.rank

@@ -5,6 +5,7 @@ then ``init_process_group("ferrompi")`` with no ``MASTER_ADDR`` /
 ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` (the store comes over MPI).
 References: torch's gloo backend in the same processes (a gloo group over
 the same ranks), and single-process training on the whole batch for DDP.
+With ``MASTER_ADDR`` / ``MASTER_PORT`` set, ``env://`` stays torch's own.
 Skipped without torch (``pip install torch==2.13.0``).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from contextlib import nullcontext
 
 import numpy as np
@@ -55,6 +57,45 @@ def test_rank_and_size_are_mpi_s(groups):
     assert (dist.get_rank(), dist.get_world_size()) == (world.rank, world.world_size)
     assert dist.get_backend() == "ferrompi"
     assert "MASTER_ADDR" not in os.environ
+
+
+def test_env_rendezvous_with_master_address_is_torch_s_own(groups, monkeypatch):
+    """With ``MASTER_ADDR`` / ``MASTER_PORT`` set, ``env://`` is torch's own rendezvous,
+    for any backend: ranks that are not MPI's (reversed here) are taken, the store is
+    at that address, and a gloo group over it reduces and broadcasts as numpy says."""
+    import importlib
+
+    from ferrompi.torch import _rendezvous as ours
+
+    handlers = importlib.import_module("torch.distributed.rendezvous")
+    assert handlers._rendezvous_handlers["env"] is ours._env_or_mpi
+    assert ours._TORCH_ENV is handlers._env_rendezvous_handler  # torch's own function
+    n, mpi_rank = dist.get_world_size(), dist.get_rank()
+    rank = n - 1 - mpi_rank  # torch's rank 0 (the store's server) is MPI's last rank
+    where = [None]
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            where = [(socket.gethostname(), probe.getsockname()[1])]
+    dist.broadcast_object_list(where, src=n - 1)
+    dist.barrier()  # every rank knows where before the server blocks in its constructor
+    host, port = where[0]
+    monkeypatch.setenv("MASTER_ADDR", host)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    timeout = datetime.timedelta(seconds=60)
+    store, got_rank, got_size = next(dist.rendezvous("env://", rank, n, timeout=timeout))
+    assert (got_rank, got_size) == (rank, n)
+    assert (store.host, store.port) == (host, port)  # not a store over MPI
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("env-rendezvous", store), rank, n, timeout)
+    t = torch.arange(5, dtype=torch.float64) * (rank + 1)
+    gloo.allreduce([t]).wait()
+    np.testing.assert_array_equal(t.numpy(), np.arange(5.0) * sum(range(1, n + 1)))
+    t = torch.full((3,), float(mpi_rank))
+    gloo.broadcast(t, 0).wait()  # gloo's rank 0 is MPI's last
+    np.testing.assert_array_equal(t.numpy(), np.full(3, float(n - 1)))
+    dist.barrier()
+    del gloo, store
+    dist.barrier()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "bfloat16"])

@@ -319,6 +319,48 @@ def test_simulated_nodes_have_a_node_engine_each(tmp_path, no_process_left):
         assert json.loads(out)["nodes"] == [2, 2], out
 
 
+def test_two_torchrun_agents_are_two_nodes_for_the_hierarchical_engine(tmp_path, no_process_left):
+    # each agent's two ranks share a node; between the agents MPI takes the network
+    # path (UCX over TCP), and the node engine runs per node with rails across
+    port = _free_port()
+    agent = [
+        TORCHRUN,
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=nodes",
+        "-m",
+        "pytest",
+        "-q",
+        "--with-mpi",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=120",
+        "--timeout-method=thread",
+        f"--basetemp={tmp_path / 'pytest'}",
+        "tests/test_shm.py",
+        "-k",
+        "hierarchical or over_the_nodes",
+    ]
+    env = {**os.environ, **PYTEST_UNDER_TORCHRUN, "UCX_TLS": "tcp,self"}
+    agents = [
+        subprocess.Popen(
+            agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [a.communicate(timeout=OUTER_TIMEOUT) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    for a, (out, err) in zip(agents, outs, strict=True):
+        assert a.returncode == 0, out[-3000:] + err[-3000:]
+        summaries = [ln for ln in out.splitlines() if " passed" in ln]
+        assert len(summaries) == 2 and all("4 passed" in ln for ln in summaries), out[-2000:]
+
+
 # ---------------------------------------------------------------------------
 # failures: a dead rank, MPI_Abort, a rank that never comes, MPI started first
 # ---------------------------------------------------------------------------
@@ -594,3 +636,43 @@ def test_two_agents_as_two_nodes_lose_one_and_go_on_at_2_ranks_resharded(tmp_pat
     assert "resumed at step " in out and "on 2 ranks" in out, out + err[-2000:]
     accuracy = [ln for ln in out.splitlines() if ln.startswith("final test accuracy")]
     assert accuracy and accuracy[0].endswith("on 2 ranks") and float(accuracy[0].split()[3]) > 0.9
+
+
+FOREVER = """
+    import sys, time
+    import numpy as np
+    import ferrompi as fm
+
+    world = fm.init()
+    print("formed", flush=True)
+    while True:
+        fm.allreduce(np.ones(4), world)
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_torchruns_process_group_leaves_no_process(tmp_path, no_process_left, sig):
+    script = _script(tmp_path, FOREVER)
+    job = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc-per-node=3", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group, as a terminal's job
+    )
+    try:
+        seen = ""  # the ranks' lines may interleave
+        deadline = time.monotonic() + 120
+        while seen.count("formed") < 3 and time.monotonic() < deadline:
+            line = job.stdout.readline()
+            assert line or job.poll() is None, "torchrun ended before the world formed: " + seen
+            seen += line
+        assert seen.count("formed") == 3, seen
+        os.killpg(job.pid, sig)  # what Ctrl-C (or a batch system's SIGTERM) does
+        job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    # the fixture then checks that no rank and no PMI server is left

@@ -1,0 +1,377 @@
+"""``ProcessGroupFerrompi``: torch's ``ProcessGroup`` over a ferrompi group, and its
+tensor helpers (tensors as ferrompi takes them, torch's reductions as ferrompi's).
+
+Each operation is ferrompi's own call on the group's communicator: an
+asynchronous collective goes to the lane as a :class:`~._work.QueuedWork`,
+everything else starts in the calling thread (:class:`~._work.PostedWork`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._arrays import numpy_view
+from ..collectives import (
+    all_gather,
+    all_to_all,
+    allreduce,
+    allreduce_coalesced,
+    barrier,
+    broadcast,
+    reduce_scatter,
+)
+from ..groups import destroy_process_group
+from ..monitored import monitored_barrier
+from ..ops import ReduceOp
+from ..p2p import irecv, isend
+from ..rooted import gather, reduce, scatter
+from ..uneven import all_to_all_single_uneven
+from ._work import FerrompiWork, PostedWork, QueuedWork, _defer, _drain
+
+__all__ = ["BACKEND_NAME", "ProcessGroupFerrompi"]
+
+#: The name torch knows the backend by: ``init_process_group("ferrompi")``.
+BACKEND_NAME = "ferrompi"
+
+
+def _flat(t: torch.Tensor):
+    """``t`` as 1-D (a view when it is contiguous), for MPI: :func:`_view`."""
+    return _view(t.reshape(-1))
+
+
+def _flat_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D tensor (to concatenate)."""
+    return t.reshape(-1)
+
+
+def _view(t: torch.Tensor):
+    """``t``'s numpy view when it is a plain contiguous CPU tensor, else ``t``.
+
+    ferrompi takes tensors as they are; a numpy view made once here spares its
+    per-call tensor handling, on both the input and ``out=`` (the same memory).
+    """
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return numpy_view(t.detach())
+    return t
+
+
+def _rows_of(t: torch.Tensor):
+    """``t`` as rows (at least 1-D), a view (:func:`_view`)."""
+    return _view(t if t.dim() else t.reshape(1))
+
+
+class ProcessGroupFerrompi(dist.ProcessGroup):
+    """torch's ``ProcessGroup`` over a ferrompi backend (the group's communicator).
+
+    Parameters
+    ----------
+    backend : Backend
+        The ferrompi group (its rank and size are torch's).
+    """
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend.rank, backend.world_size)
+        self.backend = backend
+        self._coalescing: list | None = None
+        self._name = self._desc = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return self._desc
+
+    def shutdown(self) -> None:
+        """``destroy_process_group``: free the group's communicator (and node engine)."""
+        _drain()
+        destroy_process_group(self.backend)
+
+    def _work(self, asynchronous, pendings, outputs, finish=None, source=None) -> PostedWork:
+        """The work of an operation: ``pendings`` started, or, not ``asynchronous``, done."""
+        if not asynchronous:
+            pendings = []
+        if self._coalescing is not None:  # torch's coalescing manager: one work at its end
+            self._coalescing.append((pendings, outputs, finish))
+        return PostedWork(pendings, outputs, finish, source)
+
+    def _start_coalescing(self, device) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device) -> PostedWork:
+        parts, self._coalescing = self._coalescing or [], None
+        finishes = [f for _, _, f in parts if f is not None]
+        return PostedWork(
+            [p for pendings, _, _ in parts for p in pendings],
+            [t for _, outputs, _ in parts for t in outputs],
+            (lambda: [f() for f in finishes]) if finishes else None,
+        )
+
+    def _collective(self, asynchronous: bool, start, outputs: list, finish=None) -> FerrompiWork:
+        """The work of a collective: ``start(async_op)`` returns its pendings.
+
+        Asynchronous (DDP's buckets, ``async_op=True``): the lane runs its
+        blocking call (the node engine's, where the blocking call takes it)
+        while the caller goes on. Otherwise it runs here, once the lane has
+        run the collectives handed to it before: program order, on every rank.
+        """
+        if asynchronous and self._coalescing is None:
+            return _defer(QueuedWork(outputs, start, finish))
+        _drain()
+        return self._work(asynchronous, start(asynchronous), outputs, finish)
+
+    # -- reductions ----------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op, b = _op(opts), self.backend
+        views = [_view(t) for t in tensors]
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [allreduce(v, b, op, out=v, async_op=a) for v in views],
+            tensors,
+        )
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op, b = _op(opts), self.backend
+        return self._collective(
+            False, lambda a: allreduce_coalesced(tensors, b, op, out=tensors), tensors
+        )
+
+    def reduce(self, tensors, opts=None):
+        root, op, b = opts.rootRank, _op(opts), self.backend
+        views = [_view(t) for t in tensors]
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce(v, b, root, op, out=v, async_op=a) for v in views],
+            tensors,
+        )
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op, b = _op(opts), self.backend
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce_scatter(_flat(input), b, op, out=_flat(output), async_op=a)],
+            [output],
+        )
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op, b = _op(opts), self.backend
+        pairs = list(zip(outputs, inputs, strict=True))
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce_scatter(_flat(i), b, op, out=_flat(o), async_op=a) for o, i in pairs],
+            outputs,
+        )
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op, b = _op(opts), self.backend
+        fused = [
+            (_flat(out), torch.cat([_flat_tensor(p) for p in parts]))
+            for out, parts in zip(output_tensors, input_tensors, strict=True)
+        ]
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [reduce_scatter(f, b, op, out=out, async_op=a) for out, f in fused],
+            output_tensors,
+        )
+
+    # -- broadcast, gathers and scatters ---------------------------------------
+
+    def broadcast(self, tensors, opts=None):
+        root, b = (opts.rootRank if opts is not None else 0), self.backend
+        views = [_view(t) for t in tensors]
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [broadcast(v, b, root, out=v, async_op=a) for v in views],
+            tensors,
+        )
+
+    def _allgather_base(self, output, input, opts=None):
+        b = self.backend
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [all_gather(_flat(input), b, out=_flat(output), async_op=a)],
+            [output],
+        )
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        b = self.backend
+        pairs = list(zip(outputs, inputs, strict=True))
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [all_gather(_flat(i), b, out=_flat(o), async_op=a) for o, i in pairs],
+            outputs,
+        )
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        b = self.backend
+        fused, copies = [], []
+        for outs, inp in zip(output_tensors, input_tensors, strict=True):
+            out = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
+            fused.append((_flat(inp), out))
+            copies.append((outs, out))
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [all_gather(i, b, out=o, async_op=a) for i, o in fused],
+            output_tensors,
+            _copy_parts(copies),
+        )
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root, b, t = opts.rootRank, self.backend, input_tensors[0]
+        inp = _flat(t)
+        if b.rank != root:
+            start = lambda a: [gather(inp, b, root, async_op=a)]  # noqa: E731
+            return self._collective(_asynchronous(opts), start, output_tensors)
+        outs = output_tensors[0]
+        fused = torch.empty(len(outs) * t.numel(), dtype=t.dtype, device=t.device)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [gather(inp, b, root, out=fused, async_op=a)],
+            output_tensors,
+            _copy_parts([(outs, fused)]),
+        )
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root, b, out = opts.rootRank, self.backend, _flat(output_tensors[0])
+        rows = None
+        if b.rank == root:
+            rows = torch.cat([_flat_tensor(t) for t in input_tensors[0]])
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [scatter(rows, b, root, out=out, async_op=a)],
+            output_tensors,
+        )
+
+    # -- all-to-all --------------------------------------------------------------
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        b = self.backend
+        if not output_split_sizes and not input_split_sizes:
+            return self._collective(
+                _asynchronous(opts),
+                lambda a: [all_to_all(_rows_of(input), b, out=_rows_of(output), async_op=a)],
+                [output],
+            )
+        send = list(input_split_sizes) or _equal(input, b.world_size)
+        recv = list(output_split_sizes) or _equal(output, b.world_size)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [
+                all_to_all_single_uneven(
+                    _rows_of(input), send, recv, b, out=_rows_of(output), async_op=a
+                )
+            ],
+            [output],
+        )
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        b = self.backend
+        send = [t.numel() for t in input_tensors]
+        recv = [t.numel() for t in output_tensors]
+        fused_in = torch.cat([_flat_tensor(t) for t in input_tensors])
+        fused_out = torch.empty(sum(recv), dtype=fused_in.dtype, device=fused_in.device)
+        return self._collective(
+            _asynchronous(opts),
+            lambda a: [
+                all_to_all_single_uneven(fused_in, send, recv, b, out=fused_out, async_op=a)
+            ],
+            output_tensors,
+            _copy_parts([(output_tensors, fused_out)]),
+        )
+
+    # -- messages and barriers -------------------------------------------------
+
+    def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
+        pendings = [isend(t, dstRank, self.backend, tag) for t in tensors]
+        return self._work(True, pendings, tensors)
+
+    def recv(self, tensors, srcRank, tag):  # noqa: N803
+        pendings = [_recv_into(t, srcRank, self.backend, tag) for t in tensors]
+        return self._work(True, pendings, tensors)
+
+    def recv_anysource(self, tensors, tag):
+        pending = _recv_into(tensors[0], None, self.backend, tag)
+        return self._work(True, [pending], tensors, source=pending)
+
+    def barrier(self, opts=None):
+        b = self.backend
+        return self._collective(_asynchronous(opts), lambda a: [barrier(b, async_op=a)], [])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        b = self.backend
+        return self._collective(
+            False,
+            lambda a: monitored_barrier(b, timeout=timeout, wait_all_ranks=wait_all_ranks),
+            [],
+        )
+
+
+# torch 2.13's names of the same operations
+ProcessGroupFerrompi.all_gather_single = ProcessGroupFerrompi._allgather_base
+ProcessGroupFerrompi.reduce_scatter_single = ProcessGroupFerrompi._reduce_scatter_base
+ProcessGroupFerrompi.all_to_all_single = ProcessGroupFerrompi.alltoall_base
+ProcessGroupFerrompi.all_gather_single_coalesced = (
+    ProcessGroupFerrompi.allgather_into_tensor_coalesced
+)
+ProcessGroupFerrompi.reduce_scatter_single_coalesced = (
+    ProcessGroupFerrompi.reduce_scatter_tensor_coalesced
+)
+
+
+def _asynchronous(opts) -> bool:
+    """Whether torch asked for the work at once (``async_op=True``; C++ callers, DDP's
+    reducer among them, always do), else the operation completes in the call: the
+    blocking form, which may run on the node engine."""
+    return opts is None or getattr(opts, "asyncOp", True)
+
+
+#: ferrompi's member of each of torch's reductions (PREMUL_SUM, with its factor, is
+#: read by ferrompi itself: :meth:`ferrompi.ReduceOp.of`).
+_REDUCE_OPS = {
+    getattr(dist.ReduceOp.RedOpType, name): getattr(ReduceOp, "MEAN" if name == "AVG" else name)
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+}
+
+
+def _op(opts):
+    """torch's reduction of ``opts`` (``SUM`` without), as ferrompi takes it."""
+    if opts is None:
+        return ReduceOp.SUM
+    return _REDUCE_OPS.get(opts.reduceOp.op, opts.reduceOp)
+
+
+def _equal(t: torch.Tensor, size: int) -> list[int]:
+    rows = t.shape[0] if t.dim() else 1
+    return [rows // size] * size
+
+
+def _recv_into(t: torch.Tensor, src, backend, tag: int):
+    """``irecv`` into the tensor ``t`` (from any rank when ``src`` is None)."""
+    return irecv(tuple(t.shape), src, backend, t.dtype, tag, out=t)
+
+
+def _copy_parts(copies: list):
+    """The finish step that copies each fused result into its list of tensors."""
+
+    def finish() -> None:
+        for outs, fused in copies:
+            at = 0
+            for out in outs:
+                n = out.numel()
+                out.copy_(fused[at : at + n].view(out.shape))
+                at += n
+
+    return finish

@@ -1,0 +1,264 @@
+"""The works of ferrompi's process groups, and the threads that complete them.
+
+Two kinds, as torch's own MPI backend has (its ``WorkMPI`` and ``AsyncWork``):
+
+* :class:`QueuedWork`: an asynchronous collective the *lane* runs (its
+  blocking call), one after the other in the order they were called;
+* :class:`PostedWork`: operations already started in the caller's thread
+  (messages, coalesced or blocking collectives), completed by ``wait()``, or
+  by the progress thread once someone asks for the future.
+
+Both are :class:`FerrompiWork`, torch's ``Work`` of the backend.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import queue
+import threading
+
+import torch
+
+from .._status_board import helper_thread
+from ._compat import Work
+
+__all__ = ["FerrompiWork", "PostedWork", "QueuedWork"]
+
+
+# ---------------------------------------------------------------------------
+# works: started in the caller's thread, completed by the progress thread or wait()
+# ---------------------------------------------------------------------------
+
+
+class FerrompiWork(Work):
+    """The pending operation of a ferrompi process group (torch's ``Work``).
+
+    ``wait()`` completes it, or waits until the lane has (raising ferrompi's
+    error, a timeout naming the missing rank among them); ``get_future()`` is
+    a ``torch.futures.Future`` completed with the output tensors when the
+    operation is: a collective's by the lane; a message's by the progress
+    thread, from the first call of ``get_future`` on, if no one waits first
+    (a message nobody asks the future of costs no thread).
+
+    The common part of its two kinds, :class:`QueuedWork` (the lane's) and
+    :class:`PostedWork` (started requests).
+    """
+
+    def __init__(self, outputs: list, finish=None) -> None:
+        super().__init__()
+        self._outputs = outputs
+        self._finish = finish  # run once the operation has completed (copies out)
+        self._sender = -1
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._inner: torch.futures.Future | None = None
+        self._future: torch.futures.Future | None = None
+
+    def _settle(self) -> None:
+        """Complete the operation, or wait until it is (``wait()``'s step)."""
+        raise NotImplementedError
+
+    def _watch(self) -> None:
+        """Arrange for the operation to complete without a ``wait()`` (under the lock,
+        at the first ``get_future()`` of a work not done yet)."""
+        raise NotImplementedError
+
+    def _outcome(self, inner) -> list:
+        """The chained future's value: the outputs, or the operation's error raised."""
+        if self._error is not None:
+            raise self._error
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        settle = False
+        with self._lock:
+            if self._future is None:
+                # torch's Future has no error setter for C++ readers (DDP's reducer): a
+                # callback that raises gives its chained future a real error, so the work
+                # completes an inner future and hands out the chain.
+                self._inner = torch.futures.Future()
+                self._future = self._inner.then(self._outcome)
+                if self._done:
+                    settle = True  # it has completed: this call completes the chain
+                else:
+                    self._watch()
+        if settle:
+            self._inner.set_result(None)
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def source_rank(self) -> int:
+        self.wait()
+        return self._sender
+
+    def _source_rank(self) -> int:
+        return self.source_rank()
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class QueuedWork(FerrompiWork):
+    """An asynchronous collective, run by the lane (:func:`_defer`) as its blocking call.
+
+    ``start(False)`` runs the blocking call; ``wait()`` waits until the lane has
+    run it (under the group's timeout), and the lane completes its future.
+    """
+
+    def __init__(self, outputs: list, start, finish=None) -> None:
+        super().__init__(outputs, finish)
+        self._start = start
+        self._settled = threading.Event()  # set once the lane has run it
+
+    def _run(self) -> None:
+        """Run the deferred collective (the lane's thread): its blocking call, then settle."""
+        try:
+            self._start(False)
+            if self._finish is not None:
+                self._finish()
+        except BaseException as exc:
+            self._error = exc
+        with self._lock:
+            self._done = True
+            inner = self._inner
+        self._settled.set()
+        if inner is not None:
+            inner.set_result(None)
+
+    def _settle(self) -> None:
+        self._settled.wait()  # the lane runs it, under the group's timeout
+
+    def _watch(self) -> None:
+        pass  # the lane settles it
+
+
+class PostedWork(FerrompiWork):
+    """Operations started in the caller's thread: ``pendings``, their requests.
+
+    ``wait()`` completes them in the calling thread; without a ``wait()``, the
+    progress thread does from the first ``get_future()`` on. No pendings: done
+    at once (a blocking call's work).
+    """
+
+    def __init__(self, pendings: list, outputs: list, finish=None, source=None) -> None:
+        super().__init__(outputs, finish)
+        self._pendings = pendings
+        self._source = source  # a receive from any source: its AnySourceReceive
+        if not pendings:
+            self._complete()
+
+    def _complete(self) -> None:
+        """Complete every pending operation, once; record the error if one fails."""
+        with self._lock:
+            if self._done:
+                return
+            try:
+                for pending in self._pendings:
+                    got = pending.wait()
+                    if pending is self._source:
+                        self._sender = got[1]
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._pendings = []
+                self._done = True  # before the future: its waiters may ask at once
+            inner = self._inner
+        if inner is not None:
+            inner.set_result(None)
+
+    def _settle(self) -> None:
+        self._complete()
+
+    def _watch(self) -> None:
+        _progress().put(self._complete)
+
+
+# ---------------------------------------------------------------------------
+# the lane and the progress thread
+# ---------------------------------------------------------------------------
+
+
+class _Progress:
+    """A thread that runs jobs in the order they are put: the lane's (deferred
+    collectives) or the progress thread's (completing started messages).
+
+    Stopped at interpreter exit (:func:`atexit`), before Python finalizes: a
+    daemon thread still alive then is unwound by the interpreter, and one
+    with torch's C++ frames on its stack aborts the process.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.works: queue.SimpleQueue = queue.SimpleQueue()
+        self.last: QueuedWork | None = None  # the lane's last deferred collective
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def put(self, job) -> None:
+        self.works.put(job)
+
+    def stop(self, seconds: float = 5.0) -> None:
+        """End the thread once the works already started are complete (or ``seconds``)."""
+        self.works.put(None)
+        self.thread.join(seconds)
+
+    def _run(self) -> None:
+        helper_thread()
+        while (job := self.works.get()) is not None:
+            job()
+
+
+_PROGRESS: list[_Progress] = []
+_LANE: list[_Progress] = []
+_THREADS_LOCK = threading.Lock()
+
+
+def _thread(threads: list, name: str) -> _Progress:
+    if not threads:
+        with _THREADS_LOCK:
+            if not threads:
+                threads.append(_Progress(name))
+    return threads[0]
+
+
+def _progress() -> _Progress:
+    """The thread that completes started works whose future someone asked for."""
+    return _thread(_PROGRESS, "ferrompi-torch-progress")
+
+
+def _defer(work: QueuedWork) -> QueuedWork:
+    """Hand the collective ``work`` to the lane: the thread that runs the process's
+    asynchronous collectives, one after the other, in the order they were called."""
+    lane = _thread(_LANE, "ferrompi-torch-lane")
+    lane.last = work
+    lane.put(work._run)
+    return work
+
+
+def _drain() -> None:
+    """Wait until the lane has run every collective handed to it (program order)."""
+    last = _LANE[0].last if _LANE else None
+    if last is not None and not last._settled.is_set():  # a flag read; wait() takes a lock
+        last._settled.wait()
