@@ -106,9 +106,12 @@ import tempfile
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-import ferrompi as fm
+# ferrompi before mpi4py: under torchrun, importing mpi4py.MPI first would start MPI
+# alone in each process (docs/torch.md, "Launchers")
+import ferrompi as fm  # isort: split
+
+from mpi4py import MPI
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4, 64, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB]

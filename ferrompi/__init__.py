@@ -22,7 +22,13 @@ import importlib
 import os
 import re
 
+from ._pm import defer_mpi_init
+
 __version__ = "0.1.0"
+
+# Where no MPI launcher started this process, MPI_Init waits for ferrompi (torch's
+# rendezvous may give the world), even if the program imports mpi4py.MPI next
+defer_mpi_init()
 
 # The face is in __init__.pyi (each line a module, whose names are its __all__,
 # or names of a module); it is read, not imported, so that `import ferrompi`

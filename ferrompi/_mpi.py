@@ -17,30 +17,14 @@ when nothing formed one first.
 from __future__ import annotations
 
 import atexit
-import os
-from collections.abc import Mapping
 
+from ._pm import PM_VARIABLES, defer_mpi_init, launched_by_process_manager
 from .errors import BackendUnavailable
-
-#: Variables a process manager sets for every rank it starts (MPICH's and Intel
-#: MPI's Hydra, Slurm's PMI-1/PMI-2, PMIx, Open MPI's ORTE/PRRTE).
-PM_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
-
-
-def launched_by_process_manager(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether an MPI process manager started this process (any of :data:`PM_VARIABLES`)."""
-    env = os.environ if environ is None else environ
-    return any(v in env for v in PM_VARIABLES)
-
 
 try:
     import mpi4py
 
-    if not launched_by_process_manager():
-        # Keep MPI_Init for later: torch's rendezvous may still give this process a
-        # world (ferrompi._world); mpi4py finalizes at exit whoever initialised.
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = True
+    defer_mpi_init()  # MPI_Init waits where no launcher started us (ferrompi._world)
     from mpi4py import MPI
 except (ImportError, RuntimeError, OSError) as exc:  # no mpi4py, or no libmpi
     MPI = None

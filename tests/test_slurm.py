@@ -20,6 +20,7 @@ import os
 import pathlib
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -509,3 +510,49 @@ def test_torch_job_template_runs_a_given_torch_program(slurm, tmp_path, nodes):
     assert len({r["node"] for r in records}) == nodes, records
     assert not (tmp_path / "runs").exists(), "a given program got the default one's run folder"
     assert "ferrompi-torch: exit status 0" in log, log
+
+
+TORCHRUN_REPORT = """
+import json, os
+import torch, torch.distributed as dist
+import ferrompi as fm
+import ferrompi.torch
+
+dist.init_process_group("ferrompi")
+x = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(x)
+from mpi4py import MPI
+print("TORCHRUN " + json.dumps({
+    "rank": dist.get_rank(), "world_size": dist.get_world_size(), "mpi_rank": MPI.COMM_WORLD.rank,
+    "allreduce": x.item(), "launcher": fm.launch_info().launcher,
+    "agent": os.environ.get("GROUP_RANK")}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_template_forms_one_world_of_every_agents_workers(slurm, tmp_path):
+    pytest.importorskip("torch", reason="slurm/torchrun.sbatch runs torch (not installed)")
+    (tmp_path / "report.py").write_text(TORCHRUN_REPORT)
+    job = slurm.sbatch(
+        "torchrun.sbatch",
+        str(tmp_path / "report.py"),
+        options=["--cpus-per-task=2"],
+        cwd=tmp_path,
+        env={"FERROMPI_PYTHON": sys.executable, "FERROMPI_RDZV_PORT": str(_free_port())},
+    )
+    states = slurm.wait(job, timeout=180)
+    log = _log(tmp_path / f"ferrompi-torchrun-{job}.out")
+    assert states[job]["JobState"] == "COMPLETED", log
+    decoder = json.JSONDecoder()
+    records = [decoder.raw_decode(log, m.end())[0] for m in re.finditer(r"TORCHRUN (?=\{)", log)]
+    assert sorted(r["rank"] for r in records) == [0, 1], log
+    for r in records:
+        assert r["mpi_rank"] == r["rank"] and r["world_size"] == 2, r
+        assert r["allreduce"] == 1.0 and r["launcher"] == "torch", r
+    assert "ferrompi-torchrun: exit status 0" in log, log
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -673,6 +673,10 @@ def test_a_signal_to_torchruns_process_group_leaves_no_process(tmp_path, no_proc
         os.killpg(job.pid, sig)  # what Ctrl-C (or a batch system's SIGTERM) does
         job.communicate(timeout=60)
     finally:
-        job.kill()
+        for pid in [job.pid, *_children(job.pid, str(script))]:  # workers: own sessions
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     assert job.returncode != 0
     # the fixture then checks that no rank and no PMI server is left
