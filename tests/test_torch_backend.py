@@ -12,6 +12,7 @@ Skipped without torch (``pip install torch==2.13.0``).
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 from contextlib import nullcontext
@@ -63,9 +64,7 @@ def test_env_rendezvous_with_master_address_is_torch_s_own(groups, monkeypatch):
     """With ``MASTER_ADDR`` / ``MASTER_PORT`` set, ``env://`` is torch's own rendezvous,
     for any backend: ranks that are not MPI's (reversed here) are taken, the store is
     at that address, and a gloo group over it reduces and broadcasts as numpy says."""
-    import importlib
-
-    from ferrompi.torch import _rendezvous as ours
+    from ferrompi.torch import _rendezvous as ours  # (torch is there: the groups fixture)
 
     handlers = importlib.import_module("torch.distributed.rendezvous")
     assert handlers._rendezvous_handlers["env"] is ours._env_or_mpi
@@ -80,6 +79,8 @@ def test_env_rendezvous_with_master_address_is_torch_s_own(groups, monkeypatch):
     dist.broadcast_object_list(where, src=n - 1)
     dist.barrier()  # every rank knows where before the server blocks in its constructor
     host, port = where[0]
+    # under torchrun torch's env:// would join the agent's store; here rank 0 hosts one
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("MASTER_ADDR", host)
     monkeypatch.setenv("MASTER_PORT", str(port))
     timeout = datetime.timedelta(seconds=60)
