@@ -39,5 +39,7 @@ def defer_mpi_init() -> None:
         import mpi4py  # the package only: its MPI module is what loads libmpi
     except ImportError:
         return
-    mpi4py.rc.initialize = False
-    mpi4py.rc.finalize = True
+    rc = getattr(mpi4py, "rc", None)  # absent in a stand-in or a broken install
+    if rc is not None:
+        rc.initialize = False
+        rc.finalize = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -173,9 +174,10 @@ def test_torchrun_runs_the_torch_stacks(tmp_path, no_process_left, n):
         env=PYTEST_UNDER_TORCHRUN,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summaries = [ln for ln in run.stdout.splitlines() if " passed" in ln]
-    assert len(summaries) == n, run.stdout[-3000:]  # one pytest session per rank
-    assert all("failed" not in ln and "error" not in ln for ln in summaries), summaries
+    # one pytest session per rank; their summary lines may run into each other
+    summaries = re.findall(r"\d+ passed[^\n]*? in [\d.]+s", run.stdout)
+    assert len(summaries) == n, run.stdout[-3000:]
+    assert all("failed" not in s and "error" not in s for s in summaries), summaries
 
 
 DCP_SAVE_LOAD = """
