@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from support import Group, set_verdict_comm
 
+from ferrompi import _mpi
+
 # Timeouts dump flight records (read when they are written); keep them out of
 # the working tree, in a folder of this session's own, removed at its end
 # unless a test failed.
@@ -52,6 +54,10 @@ def pytest_configure(config):
         ferrompi.init()
         set_verdict_comm(MPI.COMM_WORLD.Dup())
         _temp_root_per_rank(config, MPI.COMM_WORLD.rank)
+    elif _mpi.MPI is not None:
+        # pytest-mpi's fixtures (mpi_tmp_path) read COMM_WORLD in plain runs too, and
+        # where no launcher started pytest ferrompi leaves MPI_Init to its first use
+        _mpi.require_mpi()
 
 
 def _temp_root_per_rank(config, rank: int) -> None:
