@@ -39,7 +39,7 @@ import socket
 import sys
 import time
 
-__all__ = ["serve", "process_mapping", "KILL_AFTER"]
+__all__ = ["serve", "process_mapping", "read_line", "KILL_AFTER"]
 
 #: Seconds a rank on this host has to exit once told to, before SIGKILL.
 KILL_AFTER = 2.0
@@ -158,7 +158,7 @@ class _Server:
         sock, peer = self.listener.accept()
         sock.settimeout(5.0)
         try:
-            line = _readline(sock)
+            line = read_line(sock)
         except OSError:
             line = ""
         words = line.split()
@@ -329,7 +329,8 @@ class _Server:
             self.step(0.5)
 
 
-def _readline(sock: socket.socket, limit: int = 4096) -> str:
+def read_line(sock: socket.socket, limit: int = 4096) -> str:
+    """One line from ``sock`` (byte by byte: what follows belongs to its next reader)."""
     data = b""
     while not data.endswith(b"\n") and len(data) < limit:
         chunk = sock.recv(1)

@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 
 from ._mpi import MPI, initialize, launched_by_process_manager, require_loaded
+from ._pmi_server import read_line
 from .errors import BackendUnavailable, CollectiveTimeout, InvalidArgument
 
 __all__ = [
@@ -184,7 +185,7 @@ def form_world(store, rank: int, size: int, timeout: float) -> None:
     )
     control = _connect(host, int(port), hello, left)
     control.settimeout(left + 5.0)  # the server answers by the start timeout
-    answer = _readline(control)
+    answer = read_line(control).strip()
     if answer.startswith("ferrompi-missing"):
         missing = tuple(int(r) for r in answer.split()[1].split(","))
         raise CollectiveTimeout(
@@ -231,19 +232,9 @@ def form_world_from_environment(timeout: float) -> None:
     form_world(store, rank, size, timeout)
 
 
-def _readline(sock: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(1)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode(errors="replace").strip()
-
-
 def _watch(control: socket.socket) -> None:
     """Exit the process when the server ends the job (or is gone before MPI_Finalize)."""
-    line = _readline(control)
+    line = read_line(control).strip()
     if not line and MPI.Is_finalized():
         return  # the job's normal end
     if line.startswith("ferrompi-abort"):

@@ -43,6 +43,27 @@ pytestmark = [
 PYTEST_UNDER_TORCHRUN = {"MPI4PY_RC_INITIALIZE": "0"}
 
 
+def _pytest_with_mpi(tmp_path, *args: str) -> list[str]:
+    """``-m pytest --with-mpi ARGS`` as torchrun runs it: the MPI suites' options."""
+    return [
+        "-m",
+        "pytest",
+        "-q",
+        "--with-mpi",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=120",
+        "--timeout-method=thread",
+        f"--basetemp={tmp_path / 'pytest'}",
+        *args,
+    ]
+
+
+def _pytest_summaries(stdout: str) -> list[str]:
+    """Each rank's pytest summary; the ranks' lines may run into each other."""
+    return re.findall(r"\d+ passed[^\n]*? in [\d.]+s", stdout)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -159,23 +180,16 @@ def test_torchrun_runs_the_torch_stacks(tmp_path, no_process_left, n):
     run = torchrun(
         tmp_path,
         f"--nproc-per-node={n}",
-        "-m",
-        "pytest",
-        "-q",
-        "--with-mpi",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=120",
-        "--timeout-method=thread",
-        f"--basetemp={tmp_path / 'pytest'}",
-        "tests/test_torch_stacks.py",
-        "tests/test_torch_launch_info.py",
-        "tests/test_torch_backend.py",
+        *_pytest_with_mpi(
+            tmp_path,
+            "tests/test_torch_stacks.py",
+            "tests/test_torch_launch_info.py",
+            "tests/test_torch_backend.py",
+        ),
         env=PYTEST_UNDER_TORCHRUN,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    # one pytest session per rank; their summary lines may run into each other
-    summaries = re.findall(r"\d+ passed[^\n]*? in [\d.]+s", run.stdout)
+    summaries = _pytest_summaries(run.stdout)  # one pytest session per rank
     assert len(summaries) == n, run.stdout[-3000:]
     assert all("failed" not in s and "error" not in s for s in summaries), summaries
 
@@ -332,18 +346,7 @@ def test_two_torchrun_agents_are_two_nodes_for_the_hierarchical_engine(tmp_path,
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=nodes",
-        "-m",
-        "pytest",
-        "-q",
-        "--with-mpi",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=120",
-        "--timeout-method=thread",
-        f"--basetemp={tmp_path / 'pytest'}",
-        "tests/test_shm.py",
-        "-k",
-        "hierarchical or over_the_nodes",
+        *_pytest_with_mpi(tmp_path, "tests/test_shm.py", "-k", "hierarchical or over_the_nodes"),
     ]
     env = {**os.environ, **PYTEST_UNDER_TORCHRUN, "UCX_TLS": "tcp,self"}
     agents = [
@@ -359,7 +362,7 @@ def test_two_torchrun_agents_are_two_nodes_for_the_hierarchical_engine(tmp_path,
             a.kill()
     for a, (out, err) in zip(agents, outs, strict=True):
         assert a.returncode == 0, out[-3000:] + err[-3000:]
-        summaries = [ln for ln in out.splitlines() if " passed" in ln]
+        summaries = _pytest_summaries(out)
         assert len(summaries) == 2 and all("4 passed" in ln for ln in summaries), out[-2000:]
 
 
