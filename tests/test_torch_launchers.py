@@ -6,7 +6,9 @@ processes: no PMI server and no rank of the job may be left. The torch
 stacks (DDP, FSDP2, DTensor/TP, pipelining, functional collectives) run as
 ferrompi's own MPI suites do, under ``torchrun`` instead of ``mpiexec``;
 two ``torchrun`` agents on this machine are two nodes of one world, with
-MPI's traffic between them on the network path. Skipped without torch.
+MPI's traffic between them on the network path. One ``mpiexec`` job checks
+that the ``env://`` handler ferrompi registers is torch's own for other
+backends. Skipped without torch.
 """
 
 from __future__ import annotations
@@ -477,6 +479,53 @@ def test_mpi_started_before_ferrompi_is_refused_saying_how_to_launch(tmp_path, n
     assert run.returncode != 0
     assert "MPI was initialised before ferrompi could form torch's world of 2 ranks" in (run.stderr)
     assert "MPI4PY_RC_INITIALIZE=0" in run.stderr
+
+
+ENV_SCOPE = """
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import _env_rendezvous_handler as torchs_own
+
+    def error_of(call):
+        try:
+            call()
+        except Exception as e:  # the class and text torch gives
+            return type(e).__name__, str(e)
+        raise AssertionError("no error")
+
+    assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
+    expected = error_of(lambda: next(torchs_own("env://")))
+    import ferrompi.torch  # noqa: F401  (ferrompi's env:// handler from here on)
+
+    assert error_of(lambda: dist.init_process_group("gloo")) == expected
+    assert error_of(lambda: next(dist.rendezvous("env://"))) == expected
+    dist.init_process_group("ferrompi")  # the store over MPI
+    n = dist.get_world_size()
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [n * (n + 1) / 2] * 3, t
+    print(f"scoped {dist.get_rank()} {expected[0]}", flush=True)  # one write: one line
+    dist.destroy_process_group()
+"""
+
+
+def test_env_rendezvous_of_other_backends_is_torchs_own_under_mpiexec(tmp_path):
+    """Under ``mpiexec`` without ``MASTER_ADDR``: a gloo group's ``env://`` (and a direct
+    ``torch.distributed.rendezvous``) fails exactly as torch's own handler does in the
+    same process, and a ``"ferrompi"`` group's gets its store over MPI."""
+    script = _script(tmp_path, ENV_SCOPE)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run(
+        [str(BIN / "mpiexec"), "-n", "2", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=OUTER_TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(re.findall(r"scoped (\d) ValueError", run.stdout)) == ["0", "1"], run.stdout
 
 
 def test_a_stranger_is_refused_and_logged_and_the_job_goes_on():

@@ -15,6 +15,8 @@ by those names, so they are torch's protocol, written where they are defined.
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,28 @@ _rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
 #: which ``init_process_group(init_method=...)`` looks up; the one of ``env://``
 #: is replaced by ferrompi's at registration.
 RENDEZVOUS_HANDLERS = _rendezvous_module._rendezvous_handlers
+
+# init_process_group's own code, under its logging decorators
+_INIT_PROCESS_GROUP = inspect.unwrap(dist.init_process_group).__code__
+
+
+def backend_asking_for_rendezvous() -> str | None:
+    """The ``backend`` of the ``init_process_group`` call that runs the rendezvous
+    handler calling this, as ``init_process_group`` normalised it (``"ferrompi"``,
+    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``); ``None`` when no such call is on the stack
+    (``torch.distributed.rendezvous`` called directly, RPC's own rendezvous).
+
+    torch looks handlers up by URL scheme and does not tell them the backend:
+    this reads it from the caller's frame, the only place it is.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _INIT_PROCESS_GROUP:
+            backend = frame.f_locals.get("backend")
+            return None if backend is None else str(backend)
+        frame = frame.f_back
+    return None
+
 
 #: torch's registered third-party backends by upper-case name: whether
 #: ``"ferrompi"`` is registered already (``register_backend`` refuses a second time).

@@ -1,11 +1,12 @@
 """Creation: torch's creator of ``"ferrompi"`` groups, the store over MPI (the
 ``env://`` rendezvous without ``MASTER_ADDR`` / ``MASTER_PORT``) and the registration.
 
-The ``env://`` handler replaces torch's for every backend (torch's handlers
-are by URL scheme, not by backend), but changes nothing where torch's would
-work: with ``MASTER_ADDR`` and ``MASTER_PORT`` set, it is torch's own
-(:data:`_TORCH_ENV`), for gloo or nccl groups as for ferrompi's. Only
-without them, where torch's would fail, does the store come over MPI.
+torch's rendezvous handlers are by URL scheme, not by backend, so ferrompi's
+``env://`` handler sits where torch's was for every backend; it is torch's own
+(:data:`_TORCH_ENV`) for every call but one: ``init_process_group`` of a
+``"ferrompi"`` group without ``MASTER_ADDR`` / ``MASTER_PORT`` (where torch's
+would raise), whose store comes over MPI. A gloo or nccl group, or a direct
+``torch.distributed.rendezvous("env://")``, meets torch's handler, errors included.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .._world import form_world
 from ..backend import MPIBackend, init
 from ..errors import InvalidArgument
 from ..groups import SubBackend
-from ._compat import BACKEND_PLUGINS, RENDEZVOUS_HANDLERS
+from ._compat import BACKEND_PLUGINS, RENDEZVOUS_HANDLERS, backend_asking_for_rendezvous
 from ._process_group import BACKEND_NAME, ProcessGroupFerrompi
 
 _WORLD: list = []  # the bridge's own duplicate of the world, parent of its sub-groups
@@ -108,13 +109,16 @@ _TORCH_ENV = RENDEZVOUS_HANDLERS["env"]
 
 
 def _env_or_mpi(url: str, timeout: datetime.timedelta = dist.default_pg_timeout, **kwargs):
-    """torch's ``env://`` rendezvous, or, without ``MASTER_ADDR`` / ``MASTER_PORT``, MPI's.
+    """torch's ``env://`` rendezvous, or, for a ``"ferrompi"`` group without
+    ``MASTER_ADDR`` / ``MASTER_PORT``, MPI's.
 
-    With both set, torch's own handler, unchanged, whatever the backend (gloo,
-    nccl, ferrompi). Without them (where torch's raises), the store over MPI:
-    rank and world size are MPI's; a rank or size given in ``url`` must be them.
+    With both set, or for any other backend (gloo, nccl) or caller, torch's
+    own handler, unchanged. For ``init_process_group("ferrompi")`` without
+    them (where torch's raises), the store over MPI: rank and world size are
+    MPI's; a rank or size given in ``url`` must be them.
     """
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+    addressed = os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")
+    if addressed or BACKEND_NAME not in (backend_asking_for_rendezvous() or "").lower():
         yield from _TORCH_ENV(url, timeout=timeout, **kwargs)  # torch's, as without ferrompi
         return
     require_mpi()
