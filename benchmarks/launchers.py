@@ -6,7 +6,9 @@ For each world size, alternates ``mpiexec -n N`` and ``torchrun
 --nproc-per-node N`` running ``benchmarks/run.py`` (raw mpi4py, ferrompi and
 planned ferrompi per size; ``OMP_NUM_THREADS=1`` under both, as torchrun sets
 it), ``--rounds`` times each, and prints per row the
-median of each launcher's medians and their ratio (torchrun / mpiexec): a
+median of each launcher's medians and the median (with quartiles) of the
+rounds' ratios, torchrun / mpiexec, each of the two runs it divides
+adjacent in time (the machine's state drifts between rounds): a
 world that ferrompi formed from torch's rendezvous must move data as fast as
 one that Hydra started. Then it times ``init_process_group`` under torchrun,
 gloo against ferrompi (whose first group forms the MPI world: the PMI
@@ -72,12 +74,19 @@ def collectives(n: int, sizes: str, reps: int, rounds: int, tmp: str) -> list[st
             out = os.path.join(tmp, f"{launcher}-{n}-{i}.json")
             _run_py(launcher, n, sizes, reps, out)
             by[launcher].append(_medians(out))
-    lines = [f"{n} ranks: allreduce, median of {rounds} runs' medians (us), torchrun/mpiexec"]
-    lines.append(f"{'bytes':>10} {'impl':<10} {'mpiexec':>9} {'torchrun':>9} {'ratio':>6}")
+    lines = [
+        f"{n} ranks: allreduce, median of {rounds} runs' medians (us); torchrun/mpiexec: "
+        "the median of the rounds' ratios (each round's two runs are adjacent in time), "
+        "and their quartiles"
+    ]
+    head = ("bytes", "impl", "mpiexec", "torchrun", "ratio", "q1", "q3")
+    lines.append("{:>10} {:<10} {:>9} {:>9} {:>6} {:>6} {:>6}".format(*head))
     for key in sorted(by["mpiexec"][0]):
         a = statistics.median(r[key] for r in by["mpiexec"]) * 1e6
         b = statistics.median(r[key] for r in by["torchrun"]) * 1e6
-        lines.append(f"{key[0]:>10} {key[1]:<10} {a:9.1f} {b:9.1f} {b / a:6.2f}")
+        ratios = [t[key] / m[key] for m, t in zip(by["mpiexec"], by["torchrun"], strict=True)]
+        q1, mid, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        lines.append(f"{key[0]:>10} {key[1]:<10} {a:9.1f} {b:9.1f} {mid:6.2f} {q1:6.2f} {q3:6.2f}")
     return lines
 
 
