@@ -111,6 +111,7 @@ import numpy as np
 # alone in each process (docs/torch.md, "Launchers")
 import ferrompi as fm  # isort: split
 
+from after_compute import LocalCompute, after_compute_seconds
 from mpi4py import MPI
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -196,6 +197,8 @@ class Calls:
         self.p = world.world_size
         self.rank = world.rank
         self.dist = dist  # torch.distributed, or None
+        # torch's calls run on these groups: {implementation: group} (None: the default, gloo)
+        self.torch_groups: dict = {}
         self.gpu_direct = False  # whether MPI takes device pointers (the GPU row)
         self.inputs: list[np.ndarray] = []  # the host inputs of the calls being built
         self.plans: list[fm.Plan] = []  # the planned calls of the row being built
@@ -210,6 +213,13 @@ class Calls:
     def _ferrompi(self, make) -> dict:
         """``{implementation: make(package, world)}`` for ferrompi and the baseline (if any)."""
         return {name: make(pkg, w) for name, pkg, w in self.packages}
+
+    def _torch(self, calls: dict, make) -> dict:
+        """``calls`` with torch's call on each of :attr:`torch_groups` (``gloo``, and
+        ``torch``: torch.distributed on a ``"ferrompi"`` group): ``make(dist, group)``."""
+        for name, group in self.torch_groups.items():
+            calls[name] = make(self.dist, group)
+        return calls
 
     def _tensor(self, a: np.ndarray):
         import torch
@@ -243,7 +253,7 @@ class Calls:
         calls["mpi4py"] = lambda: c.Allreduce(x, out, MPI.SUM)
         if self.dist:
             t = self._tensor(out)
-            calls["gloo"] = lambda: self.dist.all_reduce(t)
+            self._torch(calls, lambda dist, g: lambda: dist.all_reduce(t, group=g))
         return self._plan(calls, fm.allreduce_init(x, self.world, out=out))
 
     def _allreduce_cupy(self, nbytes):
@@ -299,7 +309,7 @@ class Calls:
             if asynchronous:
                 calls["gloo"] = lambda: self.dist.broadcast(t, 0, async_op=True).wait()
             else:
-                calls["gloo"] = lambda: self.dist.broadcast(t, 0)
+                self._torch(calls, lambda dist, g: lambda: dist.broadcast(t, 0, group=g))
         return calls
 
     def _async_broadcast(self, nbytes):
@@ -324,7 +334,7 @@ class Calls:
             if asynchronous:
                 calls["gloo"] = lambda: gather(tout, tx, async_op=True).wait()
             else:
-                calls["gloo"] = lambda: gather(tout, tx)
+                self._torch(calls, lambda dist, g: lambda: gather(tout, tx, group=g))
         return calls
 
     def _async_all_gather(self, nbytes):
@@ -349,7 +359,7 @@ class Calls:
             if asynchronous:
                 calls["gloo"] = lambda: rs(tout, tx, async_op=True).wait()
             else:
-                calls["gloo"] = lambda: rs(tout, tx)
+                self._torch(calls, lambda dist, g: lambda: rs(tout, tx, group=g))
         return calls
 
     def _async_reduce_scatter(self, nbytes):
@@ -450,14 +460,19 @@ class Calls:
         self._plan(calls, fm.sendrecv_init(x, out.shape, dst, self.world, source=src, out=out))
         if self.dist:
             tx, tout = self._tensor(x), self._tensor(out)
-            dist = self.dist
 
-            def gloo_call():
-                ops = [dist.P2POp(dist.isend, tx, dst), dist.P2POp(dist.irecv, tout, src)]
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+            def exchange(dist, group):
+                def call():
+                    ops = [
+                        dist.P2POp(dist.isend, tx, dst, group),
+                        dist.P2POp(dist.irecv, tout, src, group),
+                    ]
+                    for req in dist.batch_isend_irecv(ops):
+                        req.wait()
 
-            calls["gloo"] = gloo_call
+                return call
+
+            self._torch(calls, exchange)
         return calls
 
     def _allreduce_coalesced(self, nbytes):
@@ -568,7 +583,9 @@ def calibrate(comm, call, block_s: float) -> int:
         k *= 4
 
 
-def measure(comm, calls: dict, reps: int, block_s: float) -> dict[str, list[float]]:
+def measure(
+    comm, calls: dict, reps: int, block_s: float, compute: LocalCompute | None = None
+) -> dict[str, list[float]]:
     """Interleaved samples (seconds per call, slowest rank) of every implementation.
 
     Each repetition runs every implementation once, starting one further
@@ -577,17 +594,33 @@ def measure(comm, calls: dict, reps: int, block_s: float) -> dict[str, list[floa
     sendrecv took 0.3-1.7 ms for its first calls after gloo's, 7-8 us later).
     ``baseline`` makes as many calls per block as ``ferrompi`` (not calibrated
     apart), so that the two blocks of a pair differ only in the code called.
+
+    With ``compute``, each call follows it, and a sample is the median of the
+    block's calls timed alone (:func:`after_compute.after_compute_seconds`).
     """
+
+    def slowest_of_each(times: np.ndarray) -> np.ndarray:
+        comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+        return times
+
+    def sample(name: str) -> float:
+        if compute is None:
+            return block_time(comm, calls[name], counts[name])
+        return after_compute_seconds(
+            calls[name], counts[name], compute, comm.Barrier, slowest_of_each
+        )
+
     counts: dict[str, int] = {}
     for name, call in calls.items():
         same = name == "baseline" and "ferrompi" in counts
-        counts[name] = counts["ferrompi"] if same else calibrate(comm, call, block_s)
+        timed = call if compute is None else lambda call=call: (compute(), call())
+        counts[name] = counts["ferrompi"] if same else calibrate(comm, timed, block_s)
     samples: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for rep in range(reps):
         first = rep % len(names)
         for name in names[first:] + names[:first]:
-            samples[name].append(block_time(comm, calls[name], counts[name]))
+            samples[name].append(sample(name))
     return samples
 
 
@@ -742,7 +775,9 @@ def table(results: list[dict], impls: list[str]) -> str:
     lines = []
     head = f"{'op':<22}{'size':>10}" + "".join(f"{name:>20}" for name in impls)
     head += f"{'ferrompi/mpi4py':>17}{'gloo/ferrompi':>15}{'ferrompi-mpi4py':>17}"
-    baseline = "baseline" in impls
+    baseline, on_torch = "baseline" in impls, "torch" in impls
+    if on_torch:
+        head += f"{'torch-mpi4py':>15}"
     if baseline:
         head += f"{'ferrompi/baseline':>19}{'ferrompi-baseline':>19}"
     lines.append(head)
@@ -755,6 +790,8 @@ def table(results: list[dict], impls: list[str]) -> str:
         ratio = f"{fm_med / raw:17.2f}" if fm_med and raw else f"{'-':>17}"
         gloo = f"{med['gloo'] / fm_med:15.1f}" if "gloo" in med and fm_med else f"{'-':>15}"
         line = f"{row['op']:<22}{human(row['bytes']):>10}{cells}{ratio}{gloo}{paired}"
+        if on_torch:
+            line += fmt_added(added_time(row, of="torch"), 15)
         if baseline:
             base = med.get("baseline")
             line += f"{fm_med / base:19.3f}" if fm_med and base else f"{'-':>19}"
@@ -900,6 +937,39 @@ def target_report(results: list[dict]) -> list[str]:
     return ["targets (issue 5; docs/performance.md):", *lines] if lines else []
 
 
+#: The after-compute targets: (implementation, time it may add to raw mpi4py up to
+#: 1 KiB, ratio to raw mpi4py it may reach from 64 KiB).
+AFTER_COMPUTE_TARGETS = (("ferrompi", 2e-6, 1.05), ("planned", 2e-6, 1.05), ("torch", 6e-6, 1.05))
+
+
+def after_compute_report(results: list[dict]) -> list[str]:
+    """The targets of calls made right after compute (``--compute-us``), measured in
+    this run: for ferrompi, its plans and torch on "ferrompi", against raw mpi4py."""
+    lines = []
+    for impl, added, limit in AFTER_COMPUTE_TARGETS:
+        rows = [r for r in results if {impl, "mpi4py"} <= r["stats"].keys() and r["op"] in OPS]
+        small = [
+            (f"{r['op']} {human(r['bytes'])}", added_time(r, of=impl))
+            for r in rows
+            if r["bytes"] <= KiB
+        ]
+        if small:
+            what = f"{impl} <= mpi4py + {added * 1e6:g} us up to 1 KiB (paired)"
+            lines.append(_verdict(what, small, added, True, lambda v: f"{v * 1e6:+.1f} us"))
+        large = [
+            (
+                f"{r['op']} {human(r['bytes'])}",
+                r["stats"][impl]["median"] / r["stats"]["mpi4py"]["median"],
+            )
+            for r in rows
+            if r["bytes"] >= 64 * KiB
+        ]
+        if large:
+            what = f"{impl}/mpi4py <= {limit} from 64 KiB"
+            lines.append(_verdict(what, large, limit, True, "{:.2f}".format))
+    return ["targets after compute (docs/performance.md):", *lines] if lines else []
+
+
 def plot(results: list[dict], directory: str, nranks: int) -> list[str]:
     import matplotlib
 
@@ -948,6 +1018,13 @@ def main(argv: list[str] | None = None) -> int:
         help="exit 1 if ferrompi/mpi4py exceeds this ratio (default 1.5) for allreduce at 1 MiB",
     )
     parser.add_argument("--no-torch", action="store_true", help="leave torch.distributed out")
+    parser.add_argument(
+        "--compute-us",
+        type=float,
+        default=0.0,
+        help="precede each call by this many microseconds of numpy compute and time the "
+        "call alone, as training calls collectives (0: back to back)",
+    )
     parser.add_argument(
         "--rewrite-inputs",
         action="store_true",
@@ -1002,6 +1079,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(1)
             dist = dist_module
     calls = Calls(world, dist, baseline)
+    if dist is not None:
+        import ferrompi.torch  # noqa: F401  (torch is there: registers "ferrompi")
+
+        calls.torch_groups = {"gloo": None, "torch": dist.new_group(backend="ferrompi")}
     if "allreduce_cupy" in ops:
         reason = gpu_unavailable(comm)
         if reason is not None:
@@ -1020,8 +1101,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{MPI.Get_library_version().splitlines()[0].strip()}, "
         f"torch {torch_version}"
         + (", inputs rewritten before every call" if args.rewrite_inputs else "")
+        + (f", each call after {args.compute_us:g} us of compute" if args.compute_us else "")
         + (f", baseline {os.path.abspath(args.baseline)}" if args.baseline else "")
     )
+    compute = LocalCompute(args.compute_us) if args.compute_us > 0 else None
     probes = {"before": cache_probe(comm)}
     if world.rank == 0:
         print(header, flush=True)
@@ -1031,7 +1114,7 @@ def main(argv: list[str] | None = None) -> int:
         op_sizes = [4 * KiB] if op == "allreduce_coalesced" else sizes
         for nbytes in op_sizes:
             built = calls.build(op, nbytes, args.rewrite_inputs)
-            samples = measure(comm, built, reps, block_s)
+            samples = measure(comm, built, reps, block_s, compute)
             row = {
                 "op": op,
                 "bytes": nbytes,
@@ -1059,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         if against:
             print()
             print("\n".join(against))
-        report = target_report(results)
+        report = after_compute_report(results) if compute else target_report(results)
         if report:
             print()
             print("\n".join(report))

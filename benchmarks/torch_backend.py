@@ -6,14 +6,18 @@ Run under MPI (2 ranks is the reference configuration)::
     mpiexec -n 4 .venv/bin/python benchmarks/torch_backend.py --sizes 4,1KiB,1MiB --reps 9
     mpiexec -n 2 .venv/bin/python benchmarks/torch_backend.py --ddp-only
 
-Three implementations of each operation, interleaved in every repetition so
+Four implementations of each operation, interleaved in every repetition so
 that all see the same machine state: torch's call on the ``"ferrompi"``
-default group, torch's call on a gloo group of the same ranks, and ferrompi's
-own call (``fm.allreduce(..., out=)`` on the same tensor's numpy view). A
-sample is the slowest rank's time per call over a block of ``k`` calls
+default group, torch's call on a gloo group of the same ranks, ferrompi's
+own call (``fm.allreduce(..., out=)`` on the same tensor's numpy view) and
+raw mpi4py's blocking call on the same memory (a communicator of its own).
+A sample is the slowest rank's time per call over a block of ``k`` calls
 (``k`` calibrated so a block lasts about ``--block-ms``); the table gives
-medians, the ratios are of medians of this run, and ``ferrompi-fm`` is the
-median of paired differences: what torch's path adds per call. Then the
+medians, the ratios are of medians of this run, and ``ferrompi-fm`` and
+``ferrompi-mpi4py`` are medians of paired differences: what torch's path
+adds per call to ferrompi's, and to raw MPI. With ``--compute-us U`` each
+call follows ``U`` microseconds of numpy compute and is timed alone
+(``benchmarks/after_compute.py``), as training calls collectives. Then the
 step time of DDP on a small MLP and a small CNN, on each backend, on
 "ferrompi" with :func:`ferrompi.torch.planned_allreduce_hook` (the buckets'
 all-reduces planned) beside torch's own ``allreduce_hook`` (the same Python
@@ -31,11 +35,16 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+from after_compute import LocalCompute, after_compute_seconds
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ferrompi as fm
 import ferrompi.torch  # registers "ferrompi"
+
+# isort: split
+
+from mpi4py import MPI
 
 warnings.simplefilter("ignore", FutureWarning)
 
@@ -58,43 +67,57 @@ def calls(op: str, n: int, nbytes: int, world):
         count * n if op == "all_gather" else count // n if op == "reduce_scatter" else count
     )
     xa, oa = x.numpy(), out.numpy()
-    gloo = GROUPS["gloo"]
+    gloo, raw = GROUPS["gloo"], GROUPS["mpi4py"]
     if op == "all_reduce":
         return {
             "ferrompi": lambda: dist.all_reduce(x),
             "gloo": lambda: dist.all_reduce(x, group=gloo),
             "fm": lambda: fm.allreduce(xa, world, out=xa),
+            "mpi4py": lambda: raw.Allreduce(MPI.IN_PLACE, xa, MPI.SUM),
         }
     if op == "broadcast":
         return {
             "ferrompi": lambda: dist.broadcast(x, 0),
             "gloo": lambda: dist.broadcast(x, 0, group=gloo),
             "fm": lambda: fm.broadcast(xa, world, 0, out=xa),
+            "mpi4py": lambda: raw.Bcast(xa, 0),
         }
     if op == "all_gather":
         return {
             "ferrompi": lambda: dist.all_gather_into_tensor(out, x),
             "gloo": lambda: dist.all_gather_into_tensor(out, x, group=gloo),
             "fm": lambda: fm.all_gather(xa, world, out=oa),
+            "mpi4py": lambda: raw.Allgather(xa, oa),
         }
     if op == "reduce_scatter":
         return {
             "ferrompi": lambda: dist.reduce_scatter_tensor(out, x),
             "gloo": lambda: dist.reduce_scatter_tensor(out, x, group=gloo),
             "fm": lambda: fm.reduce_scatter(xa, world, out=oa),
+            "mpi4py": lambda: raw.Reduce_scatter_block(xa, oa, MPI.SUM),
         }
     return {
         "ferrompi": lambda: dist.all_to_all_single(out, x),
         "gloo": lambda: dist.all_to_all_single(out, x, group=gloo),
         "fm": lambda: fm.all_to_all(xa, world, out=oa),
+        "mpi4py": lambda: raw.Alltoall(xa, oa),
     }
 
 
 GROUPS: dict = {}
 
 
-def block(call, k: int, world) -> float:
-    """The slowest rank's seconds per call over ``k`` calls."""
+def block(call, k: int, world, compute: LocalCompute | None = None) -> float:
+    """The slowest rank's seconds per call over ``k`` calls; with ``compute``, the
+    median of the slowest rank's time of each call, each after ``compute()``."""
+    if compute is not None:
+        return after_compute_seconds(
+            call,
+            k,
+            compute,
+            lambda: fm.barrier(world),
+            lambda times: fm.allreduce(times, world, fm.ReduceOp.MAX),
+        )
     fm.barrier(world)
     start = time.perf_counter()
     for _ in range(k):
@@ -103,7 +126,9 @@ def block(call, k: int, world) -> float:
     return float(fm.allreduce(mine, world, fm.ReduceOp.MAX)[0])
 
 
-def calibrate(call, world, block_ms: float) -> int:
+def calibrate(call, world, block_ms: float, compute: LocalCompute | None = None) -> int:
+    if compute is not None:
+        call = lambda call=call: (compute(), call())  # noqa: E731
     k = 1
     while True:
         seconds = block(call, k, world) * k
@@ -118,27 +143,36 @@ def fmt(seconds: float) -> str:
 
 def collectives(args, world) -> None:
     n = world.world_size
-    header = f"{'op':<16}{'size':>8}{'ferrompi':>12}{'gloo':>12}{'fm':>12}"
-    header += f"{'gloo/ferrompi':>15}{'ferrompi-fm':>13}"
+    compute = LocalCompute(args.compute_us) if args.compute_us > 0 else None
+    header = f"{'op':<16}{'size':>8}{'ferrompi':>12}{'gloo':>12}{'fm':>12}{'mpi4py':>12}"
+    header += f"{'gloo/ferrompi':>15}{'ferrompi-fm':>13}{'ferrompi-mpi4py':>17}"
     if world.rank == 0:
+        if compute is not None:
+            print(f"each call after {args.compute_us:g} us of compute, timed alone")
         print(header)
     for op in args.ops.split(","):
         for text in args.sizes.split(","):
             impls = calls(op, n, parse_size(text), world)
-            ks = {name: calibrate(call, world, args.block_ms) for name, call in impls.items()}
+            ks = {
+                name: calibrate(call, world, args.block_ms, compute) for name, call in impls.items()
+            }
             samples: dict[str, list[float]] = {name: [] for name in impls}
             for _ in range(args.reps):
                 for name, call in impls.items():
-                    samples[name].append(block(call, ks[name], world))
+                    samples[name].append(block(call, ks[name], world, compute))
             med = {name: statistics.median(v) for name, v in samples.items()}
-            paired = statistics.median(
-                a - b for a, b in zip(samples["ferrompi"], samples["fm"], strict=True)
-            )
+            paired = {
+                than: statistics.median(
+                    a - b for a, b in zip(samples["ferrompi"], samples[than], strict=True)
+                )
+                for than in ("fm", "mpi4py")
+            }
             if world.rank == 0:
                 print(
                     f"{op:<16}{text:>8}{fmt(med['ferrompi']):>12}{fmt(med['gloo']):>12}"
-                    f"{fmt(med['fm']):>12}{med['gloo'] / med['ferrompi']:>15.2f}"
-                    f"{paired * 1e6:>+11.1f}us",
+                    f"{fmt(med['fm']):>12}{fmt(med['mpi4py']):>12}"
+                    f"{med['gloo'] / med['ferrompi']:>15.2f}"
+                    f"{paired['fm'] * 1e6:>+11.1f}us{paired['mpi4py'] * 1e6:>+15.1f}us",
                     flush=True,
                 )
 
@@ -263,10 +297,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
     parser.add_argument("--ddp-only", action="store_true")
+    parser.add_argument(
+        "--compute-us",
+        type=float,
+        default=0.0,
+        help="precede each collective by this many microseconds of numpy compute (0: back to back)",
+    )
     args = parser.parse_args()
     dist.init_process_group("ferrompi")
     GROUPS["gloo"] = dist.new_group(backend="gloo")
     world = fm.MPIBackend(fm.init().comm.Dup())  # the timers' own group
+    GROUPS["mpi4py"] = world.comm.Dup()  # the raw calls' own communicator
     if not args.ddp_only:
         collectives(args, world)
     ddp_steps(args, world)
