@@ -27,7 +27,7 @@ from ..ops import ReduceOp
 from ..p2p import irecv, isend
 from ..rooted import gather, reduce, scatter
 from ..uneven import all_to_all_single_uneven
-from ._work import FerrompiWork, PostedWork, QueuedWork, _defer, _drain
+from ._work import DoneWork, FerrompiWork, PostedWork, QueuedWork, _defer, _drain
 
 __all__ = ["BACKEND_NAME", "ProcessGroupFerrompi"]
 
@@ -50,10 +50,20 @@ def _view(t: torch.Tensor):
 
     ferrompi takes tensors as they are; a numpy view made once here spares its
     per-call tensor handling, on both the input and ``out=`` (the same memory).
+    The tests are ordered by cost (each of torch's attribute reads is a call
+    into C++, about a microsecond right after compute): ``numpy()`` itself
+    refuses a tensor with a conjugate or negative bit, or of a dtype numpy lacks.
     """
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        return numpy_view(t.detach())
-    return t
+    if not (t.is_cpu and t.is_contiguous()):
+        return t
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype is torch.bfloat16:
+        return numpy_view(t)
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):  # conjugate or negative bit, float8...: as a tensor
+        return t
 
 
 def _rows_of(t: torch.Tensor):
@@ -96,12 +106,14 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         _drain()
         destroy_process_group(self.backend)
 
-    def _work(self, asynchronous, pendings, outputs, finish=None, source=None) -> PostedWork:
+    def _work(self, asynchronous, pendings, outputs, finish=None, source=None) -> FerrompiWork:
         """The work of an operation: ``pendings`` started, or, not ``asynchronous``, done."""
         if not asynchronous:
             pendings = []
         if self._coalescing is not None:  # torch's coalescing manager: one work at its end
             self._coalescing.append((pendings, outputs, finish))
+        elif not pendings:
+            return DoneWork(outputs, finish)
         return PostedWork(pendings, outputs, finish, source)
 
     def _start_coalescing(self, device) -> None:
@@ -338,10 +350,14 @@ def _asynchronous(opts) -> bool:
     return opts is None or getattr(opts, "asyncOp", True)
 
 
-#: ferrompi's member of each of torch's reductions (PREMUL_SUM, with its factor, is
-#: read by ferrompi itself: :meth:`ferrompi.ReduceOp.of`).
+#: ferrompi's member of each of torch's reductions, by the value of torch's
+#: ``RedOpType`` (an int: looking up torch's enum member itself hashes and compares
+#: through C++, three times as long). PREMUL_SUM, with its factor, is read by
+#: ferrompi itself (:meth:`ferrompi.ReduceOp.of`).
 _REDUCE_OPS = {
-    getattr(dist.ReduceOp.RedOpType, name): getattr(ReduceOp, "MEAN" if name == "AVG" else name)
+    getattr(dist.ReduceOp.RedOpType, name).value: getattr(
+        ReduceOp, "MEAN" if name == "AVG" else name
+    )
     for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 }
 
@@ -350,7 +366,8 @@ def _op(opts):
     """torch's reduction of ``opts`` (``SUM`` without), as ferrompi takes it."""
     if opts is None:
         return ReduceOp.SUM
-    return _REDUCE_OPS.get(opts.reduceOp.op, opts.reduceOp)
+    reduce_op = opts.reduceOp
+    return _REDUCE_OPS.get(reduce_op.op.value, reduce_op)
 
 
 def _equal(t: torch.Tensor, size: int) -> list[int]:

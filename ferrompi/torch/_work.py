@@ -5,10 +5,12 @@ Two kinds, as torch's own MPI backend has (its ``WorkMPI`` and ``AsyncWork``):
 * :class:`QueuedWork`: an asynchronous collective the *lane* runs (its
   blocking call), one after the other in the order they were called;
 * :class:`PostedWork`: operations already started in the caller's thread
-  (messages, coalesced or blocking collectives), completed by ``wait()``, or
-  by the progress thread once someone asks for the future.
+  (messages, coalesced collectives), completed by ``wait()``, or by the
+  progress thread once someone asks for the future.
 
-Both are :class:`FerrompiWork`, torch's ``Work`` of the backend.
+A blocking call (torch's ``async_op=False``) has completed when its work is
+made: its :class:`DoneWork` only hands torch the outputs. All three are
+:class:`FerrompiWork`, torch's ``Work`` of the backend.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from .._status_board import helper_thread
 from ._compat import Work
 
-__all__ = ["FerrompiWork", "PostedWork", "QueuedWork"]
+__all__ = ["DoneWork", "FerrompiWork", "PostedWork", "QueuedWork"]
 
 
 # ---------------------------------------------------------------------------
@@ -193,6 +195,38 @@ class PostedWork(FerrompiWork):
 
     def _watch(self) -> None:
         _progress().put(self._complete)
+
+
+class DoneWork(FerrompiWork):
+    """The work of a blocking call: the operation completed before the work was made.
+
+    ``finish`` (copies into torch's outputs), if given, runs here; its error is
+    the work's. Made on every blocking call, so it sets only what differs from a
+    completed work's class defaults (each attribute of torch's ``Work`` costs a
+    dictionary write on a C++ object).
+    """
+
+    _done = True
+    _sender = -1
+    _error: BaseException | None = None
+    _inner: torch.futures.Future | None = None
+    _future: torch.futures.Future | None = None
+    _lock = threading.Lock()  # get_future's; a done work never waits under it
+
+    def __init__(self, outputs: list, finish=None) -> None:
+        Work.__init__(self)  # not FerrompiWork's: the class holds what a done work has
+        self._outputs = outputs
+        if finish is not None:
+            try:
+                finish()
+            except BaseException as exc:
+                self._error = exc
+
+    def _settle(self) -> None:
+        pass  # done when made
+
+    def _watch(self) -> None:
+        pass  # never called: a done work's future is completed at once
 
 
 # ---------------------------------------------------------------------------
