@@ -78,7 +78,8 @@ from ._progress import (
     timeout_seconds,
 )
 from ._simcomm import SimComm
-from ._status_board import DONE, FAILED, OPCODE, OPS, REJECTED, arrivals, spin_until
+from ._status_board import DONE, FAILED, OPCODE, OPS, REJECTED, arrivals
+from ._wait import spin_until
 from .errors import DistributedError, FerrompiError, InvalidArgument, InvalidRank
 from .typing import Timeout
 

@@ -17,7 +17,7 @@ from time import monotonic_ns
 
 import numpy as np
 
-from . import _status_board, debug
+from . import _status_board, _wait, debug
 from ._progress import RECOVERY, wait_step
 from ._status_board import (
     ACTIVE,
@@ -208,7 +208,7 @@ class CommState:
                 f"(collective #{seq} of a group of {self.size})",
             )
 
-        if not _status_board.spin_until(decided, deadline):
+        if not _wait.spin_until(decided, deadline):
             raise timed_out(fate[1], "reach it")
         started, _, rejected = fate
         self.rec[self.slot + SETTLED] = seq  # read: the peers may move on
@@ -220,7 +220,7 @@ class CommState:
                 f"with it and mix up their data. {RECOVERY}"
             )
             raise DistributedError(f"{name}: {self.broken}")
-        if not _status_board.spin_until(lambda: _status_board.settled(*args, rejected), deadline):
+        if not _wait.spin_until(lambda: _status_board.settled(*args, rejected), deadline):
             raise timed_out(rejected, "read this rank's record")
         self.rejected = 0
         # Every peer has read the mark: clear it, or a peer waiting in the collective

@@ -1,28 +1,23 @@
 """Completion of non-blocking operations under a deadline.
 
 Every ferrompi operation starts MPI non-blocking calls and waits for them
-here. The wait loop calls ``Request.Test`` (which drives MPI's progress
-engine, as a blocking ``Wait`` would): first up to 64 times in a bare loop
-(``_status_board.quick_tests``; a small message completes there), then in a loop
-that also watches the clock. After 512 tests it calls ``sched_yield`` at one
-test in 1024, and when the node runs more ranks than there are cores, at
-every test after 2 (4 in a collective's wait), so that a peer that needs the
-core gets it (``_status_board.yield_after``, ``_status_board.collective_yield_after``,
-``_status_board.yield_every``); it reads the clock once
-every 256 tests to check the deadline. It never sleeps: MPI progresses only
-while some thread calls into it, so a sleeping rank would stall its peers.
+here. The wait calls ``Request.Test`` (which drives MPI's progress engine,
+as a blocking ``Wait`` would): first in a bare loop, in which a small
+message completes, then in the loop of :func:`ferrompi._wait.spin_until`,
+which also yields the core now and then, so that a peer that needs it
+gets it, reads the clock to check the deadline and, once a collective has
+waited a while, reads its peers' status-board records, so that a peer that
+rejected the call locally (bad input) makes it raise at once instead of at
+the deadline. It never sleeps: MPI progresses only while some thread calls
+into it, so a sleeping rank would stall its peers (only a helper thread's
+wait sleeps, where the node has no CPU to spare: ``_wait.helper_thread``).
 
-Yielding soon on a crowded node matches MPICH's own blocking calls, and
-yielding rarely otherwise lets MPI's progress engine (which moves a large
-message only while it is called) and the node engine's counter waits run;
-the measurements behind each choice are in ``docs/timeouts.md`` ("The wait
-loop"). The deadline check adds one clock read per 256 tests. A collective
-that has waited 10 ms also reads its peers'
-status-board records every 10 ms, so that a peer that rejected the call
-locally (bad input) makes it raise at once instead of at the deadline.
+How many tests each step takes, and when, is the current
+:class:`ferrompi._wait.WaitPolicy` (``_wait.policy``): the numbers are
+stated there and explained in ``docs/timeouts.md`` ("The wait loop").
 Requests of the in-process simulated backend carry an event and are waited
-on with it (in 10 ms slices, for the same check), so simulated ranks do not
-spin.
+on with it (in slices of the policy's probe interval, for the same check),
+so simulated ranks do not spin.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from time import monotonic_ns
 
 import numpy as np
 
-from . import _status_board, debug
+from . import _status_board, _wait, debug
 from ._mpi import MPI
 from ._status_board import (
     ACTIVE,
@@ -119,11 +114,6 @@ def default_seconds() -> float:
 _ABANDONED: list[object] = []
 
 
-#: A wait that has lasted this long starts looking at the status board, every
-#: as long again, for a peer that rejected the collective before communicating.
-PROBE_INTERVAL = _status_board.PROBE_INTERVAL
-
-
 class PeerRejected(Exception):
     """Raised by a wait's probe: this collective cannot complete because of a peer.
 
@@ -136,14 +126,15 @@ class PeerRejected(Exception):
 
 
 def _quick_test(test, status, collective: bool) -> bool:
-    """Call ``test(status)`` up to ``len(_status_board.quick_tests)`` times; True once it is true.
+    """Call ``test(status)`` up to ``len(_wait.policy.quick_range)`` times; True once it is true.
 
     Waits try this bare loop before :func:`_spin`: a small message completes
     within it, without the cost of setting up the deadline and probe checks
     (docs/performance.md, "Waits and records"). A ``collective``'s wait makes
-    ``len(_status_board.collective_quick_tests)`` tests instead.
+    ``len(_wait.policy.collective_quick_range)`` tests instead.
     """
-    for _ in _status_board.collective_quick_tests if collective else _status_board.quick_tests:
+    current = _wait.policy
+    for _ in current.collective_quick_range if collective else current.quick_range:
         if test(status):
             return True
     return False
@@ -153,14 +144,13 @@ def _spin(req, status, deadline: float, probe=None) -> bool:
     """Test ``req`` until it completes (True) or the deadline passes (False).
 
     ``probe`` is ``(state, seq, op_name)`` of a collective (None: a
-    point-to-point wait, with its own yield policy): every
-    :data:`PROBE_INTERVAL` seconds, once the wait has lasted that long, the
-    status board is read for a peer that rejected it (:func:`check_peers`).
+    point-to-point wait, with its own yield threshold): every
+    :attr:`~ferrompi._wait.WaitPolicy.probe_interval` seconds, once the wait
+    has lasted that long, the status board is read for a peer that rejected
+    it (:func:`check_peers`).
     """
     check = None if probe is None else functools.partial(check_peers, *probe)
-    return _status_board.spin_until(
-        functools.partial(req.Test, status), deadline, check, probe is not None
-    )
+    return _wait.spin_until(functools.partial(req.Test, status), deadline, check, probe is not None)
 
 
 def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
@@ -175,7 +165,9 @@ def _wait_requests(reqs, statuses, deadline: float, probe=None) -> bool:
                 return False
             continue
         while True:  # a simulated request: wait on its event, probing in between
-            until = deadline if probe is None else min(deadline, time.monotonic() + PROBE_INTERVAL)
+            until = deadline
+            if probe is not None:
+                until = min(deadline, time.monotonic() + _wait.policy.probe_interval)
             if block(until, status):
                 break
             if time.monotonic() >= deadline:
@@ -607,9 +599,7 @@ def complete(
             # the bare loop of _quick_test, written out here: its call would cost
             # as much as a test on this, every blocking call's, path
             test = req.Test
-            for _ in (
-                _status_board.collective_quick_tests if peer < 0 else _status_board.quick_tests
-            ):
+            for _ in _wait.policy.collective_quick_range if peer < 0 else _wait.policy.quick_range:
                 if test(status):
                     break
             else:

@@ -82,7 +82,7 @@ import threading
 
 import numpy as np
 
-from . import _status_board
+from . import _status_board, _wait
 from ._dtypes import UFUNCS as _UFUNCS
 from ._dtypes import dtype_code, dtype_of_code
 from ._mpi import MPI, on_initialized
@@ -606,7 +606,7 @@ class NodeEngine:
     def _wait(self, word: int, value: int, deadline: float, probe) -> None:
         """Until every rank's counter ``word`` reaches ``value`` (or :class:`PeerWait`)."""
         for f in self.flags:
-            if f[word] < value and not _status_board.spin_until(
+            if f[word] < value and not _wait.spin_until(
                 lambda f=f: f[word] >= value, deadline, probe
             ):
                 raise PeerWait
@@ -629,7 +629,7 @@ class NodeEngine:
 
     def _rail_allreduce(self, view: np.ndarray, mpi_op, deadline: float) -> None:
         req = self.rail.Iallreduce(MPI.IN_PLACE, view, mpi_op)
-        if not _status_board.spin_until(req.Test, deadline):
+        if not _wait.spin_until(req.Test, deadline):
             raise PeerWait
 
     # -- the rounds ----------------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
+from . import _wait
 from ._mpi import MPI
 
 # Operation codes: positions in this tuple. The tuple is the same in every
@@ -298,128 +299,6 @@ class Participant:
 _PROCESS_LOCK = threading.Lock()
 _PROCESS: Participant | None = None
 
-#: Tests a point-to-point wait makes before it starts yielding its core
-#: (``sched_yield``): 2 when this node runs more ranks than its ranks have
-#: CPUs (:func:`node_cpus`; a spinning rank would hold a core its peer
-#: needs; docs/timeouts.md, "The wait loop"),
-#: else 512: short waits spin, as MPI's own blocking calls
-#: do, and do not hand the core to unrelated processes; long ones yield, so
-#: that a peer the kernel descheduled (other load on the machine) gets a
-#: core to finish on. ``FERROMPI_YIELD=1``/``0`` forces 2 or never. Set
-#: when :func:`ferrompi.init` creates the node's board.
-yield_after = 16
-
-#: :data:`yield_after` of a collective's waits: 4 when this node runs more
-#: ranks than cores (docs/timeouts.md, "The wait loop"), else the same as
-#: point-to-point waits.
-collective_yield_after = 4
-
-#: After :data:`yield_after` tests, a wait yields at one test in this many:
-#: every test (1) when the node runs more ranks than cores, else one in 1024.
-#: A large message moves only while MPI's progress engine is called, and
-#: the node engine's counter waits test far more often than MPI completes
-#: anything, so rare yields cost them least (docs/timeouts.md, "The wait
-#: loop"). A power of two.
-yield_every = 1
-
-#: The tests a point-to-point wait makes in a bare loop before its
-#: deadline-checking loop (:func:`ferrompi._progress.complete`): up to 64,
-#: in which a small message completes, never more than
-#: :data:`yield_after`.
-quick_tests = range(16)
-
-#: The same for a collective's waits, never more than :data:`collective_yield_after`.
-collective_quick_tests = range(4)
-
-#: A wait that has lasted this long starts calling its probe, every as long again.
-PROBE_INTERVAL = 0.01
-
-#: Whether the waits of a helper thread (:func:`helper_thread`) sleep between
-#: tests: when this node's ranks have no spare CPU each for one (more than
-#: half as many CPUs as ranks), so that the ranks' own threads get the cores.
-#: Set when :func:`ferrompi.init` creates the node's board.
-helpers_sleep = False
-
-#: A sleeping wait's first sleep and its longest, in seconds; each sleep is
-#: twice the one before (docs/performance.md, "DDP's overlap"). Linux adds its
-#: timer slack (50 us by default) to each.
-HELPER_SLEEPS = (2e-6, 2e-4)
-
-_HELPER = threading.local()
-
-
-def helper_thread() -> None:
-    """Mark the calling thread as a helper that waits beside the program's threads
-    (the torch bridge's): its waits sleep between tests where :data:`helpers_sleep`."""
-    _HELPER.sleeps = helpers_sleep
-
-
-def _sleep_until(done, deadline: float, probe) -> bool:
-    """:func:`spin_until` of a helper thread: a test, then a sleep twice as long as the last."""
-    delay, longest = HELPER_SLEEPS
-    monotonic, sleep = time.monotonic, time.sleep
-    next_probe = monotonic() + PROBE_INTERVAL
-    while not done():
-        now = monotonic()
-        if now > deadline:
-            return False
-        if probe is not None and now >= next_probe:
-            probe()
-            next_probe = now + PROBE_INTERVAL
-        sleep(delay)
-        delay = min(2 * delay, longest)
-    return True
-
-
-def spin_until(done, deadline: float, probe=None, collective: bool = True) -> bool:
-    """Call ``done()`` until it returns true (True), or until ``deadline`` passes (False).
-
-    The wait loop of every ferrompi wait (MPI requests, the node engine's
-    counters): it spins, calling ``sched_yield`` once every
-    :data:`yield_every` tries once it has made :data:`collective_yield_after`
-    of them (:data:`yield_after` unless ``collective``), and reads the clock
-    (``time.monotonic``) every 256 tries. ``probe()``, if given, is called
-    every :data:`PROBE_INTERVAL` seconds once the wait has lasted that long;
-    it raises to end the wait. A helper thread's wait may sleep instead
-    (:func:`helper_thread`).
-    """
-    if getattr(_HELPER, "sleeps", False):
-        return _sleep_until(done, deadline, probe)
-    monotonic = time.monotonic
-    patience = collective_yield_after if collective else yield_after
-    mask = yield_every - 1
-    spins = 0
-    next_probe = 0.0
-    while not done():
-        spins += 1
-        if spins > patience and not spins & mask:
-            os.sched_yield()
-        if not spins & 255:
-            now = monotonic()
-            if now > deadline:
-                return False
-            if probe is not None and now >= next_probe:
-                if next_probe:
-                    probe()
-                next_probe = now + PROBE_INTERVAL
-    return True
-
-
-def _yield_policy(node_ranks: int, cpus: int) -> tuple[int, int, int]:
-    """``(yield_after, collective_yield_after, yield_every)`` for a node of
-    ``node_ranks`` ranks that run on ``cpus`` CPUs together (:func:`node_cpus`).
-    """
-    forced = os.environ.get("FERROMPI_YIELD", "").strip()
-    if forced in ("0", "1"):
-        return (2, 4, 1) if forced == "1" else (1 << 62, 1 << 62, 1)
-    return (2, 4, 1) if node_ranks > cpus else (512, 512, 1024)
-
-
-def _helpers_sleep(node_ranks: int, cpus: int) -> bool:
-    """:data:`helpers_sleep` for ``node_ranks`` ranks on ``cpus`` CPUs: whether a
-    helper thread per rank would find no spare CPU."""
-    return 2 * node_ranks > cpus
-
 
 def process_participant(create_board: bool = False) -> Participant:
     """The participant of this MPI process.
@@ -428,17 +307,14 @@ def process_participant(create_board: bool = False) -> Participant:
     :func:`ferrompi.init`) the record is placed on the node's shared board.
     Before that, the process writes into a private record no peer can read.
     """
-    global _PROCESS, yield_after, collective_yield_after, yield_every, helpers_sleep
-    global quick_tests, collective_quick_tests
+    global _PROCESS
     with _PROCESS_LOCK:
         shared = _PROCESS is not None and len(_PROCESS.board.rows) > 1
         if create_board and not shared and MPI.COMM_WORLD.size > 1:
             _PROCESS = Participant(Board.for_mpi_world(), MPI.COMM_WORLD.rank, os.getpid())
-            policy = _yield_policy(len(_PROCESS.board.rows), _PROCESS.board.cpus)
-            yield_after, collective_yield_after, yield_every = policy
-            quick_tests = range(min(64, yield_after))
-            collective_quick_tests = range(min(64, collective_yield_after))
-            helpers_sleep = _helpers_sleep(len(_PROCESS.board.rows), _PROCESS.board.cpus)
+            # the node's layout is known now: wait as fits it
+            board = _PROCESS.board
+            _wait.adopt(_wait.WaitPolicy.for_node(len(board.rows), board.cpus))
         elif _PROCESS is None:
             rank = MPI.COMM_WORLD.rank
             _PROCESS = Participant(Board({rank: np.zeros(REC_WORDS, np.int64)}), rank, os.getpid())

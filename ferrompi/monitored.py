@@ -238,7 +238,7 @@ def _wait(state, seq: int, reqs, deadline: float, entry) -> bool:
     """Wait for ``reqs`` until ``deadline``; False if it passed first.
 
     A peer that rejected this collective locally makes it raise at once
-    (the status board, read every :data:`~ferrompi._progress.PROBE_INTERVAL`).
+    (the status board, read every :attr:`~ferrompi._wait.WaitPolicy.probe_interval`).
     """
     try:
         return _wait_requests(reqs, None, deadline, (state, seq, _NAME))

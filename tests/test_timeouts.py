@@ -276,10 +276,43 @@ def test_invalid_environment_timeout_fails_at_first_use_not_import():
     ],
 )
 def test_yield_policy(monkeypatch, forced, node_ranks, cpus, expected):
-    from ferrompi import _status_board
+    from ferrompi._wait import WaitPolicy
 
     monkeypatch.setenv("FERROMPI_YIELD", forced)
-    assert _status_board._yield_policy(node_ranks, cpus) == expected
+    policy = WaitPolicy.for_node(node_ranks, cpus)
+    assert (policy.yield_after, policy.collective_yield_after, policy.yield_every) == expected
+    # the bare loop never outlasts the yield threshold: it does not yield
+    assert policy.quick_range == range(min(64, expected[0]))
+    assert policy.collective_quick_range == range(min(64, expected[1]))
+
+
+def test_the_node_s_layout_picks_a_named_policy_and_before_init_a_crowded_one(monkeypatch):
+    """2 ranks on 2 CPUs have a CPU each; 3 on 2 do not. Before ``fm.init()`` measures
+    the node, waits yield soon, as on a crowded node: that is always safe."""
+    import dataclasses
+    import importlib.util
+
+    from ferrompi import _wait
+
+    monkeypatch.delenv("FERROMPI_YIELD", raising=False)
+    spare, crowded = _wait.SPARE_CORES, _wait.CROWDED
+    # 2 ranks on 2 CPUs: no spare CPU for a helper thread each, so those sleep
+    assert _wait.WaitPolicy.for_node(2, 2) == dataclasses.replace(spare, helpers_sleep=True)
+    assert _wait.WaitPolicy.for_node(2, 4) == spare
+    assert _wait.WaitPolicy.for_node(3, 2) == crowded
+    assert (spare.yield_after, spare.collective_yield_after, spare.yield_every) == (512, 512, 1024)
+    assert (spare.quick_range, spare.collective_quick_range) == (range(64), range(64))
+    assert (crowded.yield_after, crowded.collective_yield_after, crowded.yield_every) == (2, 4, 1)
+    assert (crowded.quick_range, crowded.collective_quick_range) == (range(2), range(4))
+    # a fresh copy of the module, as a process has it before fm.init()
+    fresh = importlib.util.module_from_spec(importlib.util.find_spec("ferrompi._wait"))
+    fresh.__spec__.loader.exec_module(fresh)
+    assert fresh.policy is fresh.CROWDED
+    # adopt is how a policy is replaced, and it hands back the one before
+    mine = dataclasses.replace(crowded, yield_every=8)
+    assert fresh.adopt(mine) is fresh.CROWDED and fresh.policy is mine
+    with pytest.raises(ValueError, match="powers of two"):
+        dataclasses.replace(crowded, yield_every=3)
 
 
 @pytest.fixture
@@ -304,9 +337,9 @@ def test_ranks_bound_to_a_cpu_each_wait_as_ranks_with_a_cpu_each():
     """``mpiexec -bind-to core``: each rank sees one CPU, yet the node is not oversubscribed."""
     mpiexec = pathlib.Path(sys.executable).with_name("mpiexec")
     code = (
-        "import os, ferrompi as fm; from mpi4py import MPI; from ferrompi import _status_board; "
-        "fm.init(); mine = (len(os.sched_getaffinity(0)), _status_board.yield_after, "
-        "_status_board.collective_yield_after); every = MPI.COMM_WORLD.gather(mine); "
+        "import os, ferrompi as fm; from mpi4py import MPI; from ferrompi import _wait; "
+        "fm.init(); mine = (len(os.sched_getaffinity(0)), _wait.policy.yield_after, "
+        "_wait.policy.collective_yield_after); every = MPI.COMM_WORLD.gather(mine); "
         "MPI.COMM_WORLD.rank or print(every)"
     )
     out = subprocess.run(
@@ -339,76 +372,83 @@ def test_node_cpus_of_ranks_bound_to_a_cpu_each(restore_affinity):
 
 
 def test_wait_loop_yields_at_the_set_cadence(monkeypatch):
-    from ferrompi import _status_board
+    import dataclasses
+
+    from ferrompi import _wait
+
+    def follow(**numbers) -> None:
+        monkeypatch.setattr(_wait, "policy", dataclasses.replace(_wait.policy, **numbers))
 
     yields = []
-    monkeypatch.setattr(_status_board.os, "sched_yield", lambda: yields.append(1))
-    monkeypatch.setattr(_status_board, "yield_after", 512)
-    monkeypatch.setattr(_status_board, "collective_yield_after", 512)
-    monkeypatch.setattr(_status_board, "yield_every", 64)
+    monkeypatch.setattr(_wait.os, "sched_yield", lambda: yields.append(1))
+    follow(yield_after=512, collective_yield_after=512, yield_every=64)
     tries = iter(range(2000))
-    assert _status_board.spin_until(lambda: next(tries) == 1999, time.monotonic() + 60)
+    assert _wait.spin_until(lambda: next(tries) == 1999, time.monotonic() + 60)
     # tests 513..1999 that are multiples of 64: 576, 640, ..., 1984
     assert len(yields) == len(range(576, 2000, 64)) == 23
     yields.clear()
-    monkeypatch.setattr(_status_board, "yield_every", 1)
+    follow(yield_every=1)
     tries = iter(range(100))
-    assert _status_board.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
+    assert _wait.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert not yields  # 99 failed tests, fewer than yield_after
-    monkeypatch.setattr(_status_board, "collective_yield_after", 16)
+    follow(collective_yield_after=16)
     tries = iter(range(100))
-    assert _status_board.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
+    assert _wait.spin_until(lambda: next(tries) == 99, time.monotonic() + 60)
     assert len(yields) == 99 - 16
     yields.clear()
     tries = iter(range(100))  # a point-to-point wait: yield_after (512) applies
-    assert _status_board.spin_until(lambda: next(tries) == 99, time.monotonic() + 60, None, False)
+    assert _wait.spin_until(lambda: next(tries) == 99, time.monotonic() + 60, None, False)
     assert not yields
 
 
 def test_a_helper_thread_s_wait_sleeps_doubling_and_keeps_its_deadline_and_probe(monkeypatch):
     """Where the ranks have no spare CPU each (``helpers_sleep``), a helper thread's wait
     sleeps between tests, each sleep twice the last up to the longest; it still ends at
-    its deadline and calls its probe every ``PROBE_INTERVAL``."""
+    its deadline and calls its probe every ``probe_interval``."""
+    import dataclasses
     import threading
 
-    from ferrompi import _status_board
+    from ferrompi import _wait
 
-    monkeypatch.setattr(_status_board, "helpers_sleep", True)
+    policy = dataclasses.replace(_wait.policy, helpers_sleep=True)
+    monkeypatch.setattr(_wait, "policy", policy)
     sleeps, probes, outcome = [], [], {}
     real_sleep = time.sleep
-    monkeypatch.setattr(_status_board.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    monkeypatch.setattr(_wait.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
 
     def helper() -> None:
-        _status_board.helper_thread()
+        _wait.helper_thread()
         tries = iter(range(10))
-        outcome["done"] = _status_board.spin_until(lambda: next(tries) == 9, time.monotonic() + 60)
+        outcome["done"] = _wait.spin_until(lambda: next(tries) == 9, time.monotonic() + 60)
         start = time.monotonic()
-        outcome["late"] = _status_board.spin_until(
-            lambda: False, start + 0.05, lambda: probes.append(1)
-        )
+        outcome["late"] = _wait.spin_until(lambda: False, start + 0.05, lambda: probes.append(1))
         outcome["waited"] = time.monotonic() - start
 
     thread = threading.Thread(target=helper)
     thread.start()
     thread.join(10)
-    first, longest = _status_board.HELPER_SLEEPS
+    first, longest = policy.helper_first_sleep, policy.helper_longest_sleep
+    assert (first, longest) == (2e-6, 2e-4)
     assert outcome["done"] is True and outcome["late"] is False
     assert sleeps[:9] == [min(first * 2**i, longest) for i in range(9)]
     assert 0.05 <= outcome["waited"] < 0.5
+    assert policy.probe_interval == 0.01
     assert 2 <= len(probes) <= 6  # every 10 ms of a 50 ms wait
     sleeps.clear()  # the program's own thread spins as before
     tries = iter(range(10))
-    assert _status_board.spin_until(lambda: next(tries) == 9, time.monotonic() + 60)
+    assert _wait.spin_until(lambda: next(tries) == 9, time.monotonic() + 60)
     assert not sleeps
 
 
 @pytest.mark.parametrize(
     ("node_ranks", "cpus", "sleep"), [(2, 2, True), (2, 4, False), (3, 5, True)]
 )
-def test_helpers_sleep_where_the_ranks_have_no_spare_cpu_each(node_ranks, cpus, sleep):
-    from ferrompi import _status_board
+def test_helpers_sleep_where_the_ranks_have_no_spare_cpu_each(monkeypatch, node_ranks, cpus, sleep):
+    from ferrompi._wait import WaitPolicy
 
-    assert _status_board._helpers_sleep(node_ranks, cpus) is sleep
+    for forced in ("", "0", "1"):  # forcing the yields leaves the helpers as the CPUs say
+        monkeypatch.setenv("FERROMPI_YIELD", forced)
+        assert WaitPolicy.for_node(node_ranks, cpus).helpers_sleep is sleep
 
 
 class _TwoRanks:

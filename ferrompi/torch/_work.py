@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from .._status_board import helper_thread
+from .._wait import helper_thread
 from ._compat import Work
 
 __all__ = ["DoneWork", "FerrompiWork", "PostedWork", "QueuedWork"]
