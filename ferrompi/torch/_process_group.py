@@ -307,7 +307,7 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
     # -- messages and barriers -------------------------------------------------
 
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
-        pendings = [isend(t, dstRank, self.backend, tag) for t in tensors]
+        pendings = [isend(_view(t), dstRank, self.backend, tag) for t in tensors]
         return self._work(True, pendings, tensors)
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
@@ -376,8 +376,10 @@ def _equal(t: torch.Tensor, size: int) -> list[int]:
 
 
 def _recv_into(t: torch.Tensor, src, backend, tag: int):
-    """``irecv`` into the tensor ``t`` (from any rank when ``src`` is None)."""
-    return irecv(tuple(t.shape), src, backend, t.dtype, tag, out=t)
+    """``irecv`` into the tensor ``t`` (from any rank when ``src`` is None), through its
+    numpy view where it has one (:func:`_view`)."""
+    out = _view(t)
+    return irecv(out.shape, src, backend, out.dtype, tag, out=out)
 
 
 def _copy_parts(copies: list):

@@ -47,16 +47,21 @@ class FerrompiWork(Work):
     :class:`PostedWork` (started requests).
     """
 
+    # What a work starts with, as class attributes: an instance writes only what
+    # differs (each attribute of torch's Work is a dictionary write on a C++ object).
+    _finish = None  # run once the operation has completed (copies out)
+    _sender = -1
+    _done = False
+    _error: BaseException | None = None
+    _inner: torch.futures.Future | None = None
+    _future: torch.futures.Future | None = None
+
     def __init__(self, outputs: list, finish=None) -> None:
         super().__init__()
         self._outputs = outputs
-        self._finish = finish  # run once the operation has completed (copies out)
-        self._sender = -1
+        if finish is not None:
+            self._finish = finish
         self._lock = threading.Lock()
-        self._done = False
-        self._error: BaseException | None = None
-        self._inner: torch.futures.Future | None = None
-        self._future: torch.futures.Future | None = None
 
     def _settle(self) -> None:
         """Complete the operation, or wait until it is (``wait()``'s step)."""
@@ -207,10 +212,6 @@ class DoneWork(FerrompiWork):
     """
 
     _done = True
-    _sender = -1
-    _error: BaseException | None = None
-    _inner: torch.futures.Future | None = None
-    _future: torch.futures.Future | None = None
     _lock = threading.Lock()  # get_future's; a done work never waits under it
 
     def __init__(self, outputs: list, finish=None) -> None:
