@@ -272,6 +272,33 @@ def test_an_async_collective_s_error_reaches_its_wait_and_future(groups):
     assert x.tolist() == [float(dist.get_world_size())] * 4
 
 
+def test_async_collectives_of_every_size_complete_whoever_waits_and_in_any_order(groups):
+    """Asynchronous all-reduces below and above the lane's size (posted in the caller,
+    or run on the lane as blocking calls), issued in one order on every rank and waited
+    for in another on each rank (a waiter runs the lane's queued works itself): every
+    result is numpy's sum, also of those a blocking call follows before their wait."""
+    from ferrompi.torch._process_group import LANE_FROM
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    elements = [1, LANE_FROM // 2, 16 * 1024, LANE_FROM // 4 * 3, 3, LANE_FROM // 4]
+    tensors = [torch.arange(k, dtype=torch.float32) * (rank + 1) for k in elements]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    order = np.random.default_rng(rank).permutation(len(works))  # each rank its own
+    for i in order:
+        works[i].wait()
+    for k, t in zip(elements, tensors, strict=True):
+        np.testing.assert_array_equal(t.numpy(), np.arange(k, dtype=np.float32) * n * (n + 1) / 2)
+    last = [dist.all_reduce(t, async_op=True) for t in tensors[:3]]
+    x = torch.ones(2)
+    dist.all_reduce(x)  # a blocking call: issued after the asynchronous ones, everywhere
+    assert x.tolist() == [float(n)] * 2
+    for work in reversed(last):
+        work.wait()
+    for k, t in zip(elements[:3], tensors, strict=False):
+        expected = np.arange(k, dtype=np.float32) * (n * (n + 1) / 2) * n
+        np.testing.assert_array_equal(t.numpy(), expected)
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(

@@ -27,7 +27,15 @@ from ..ops import ReduceOp
 from ..p2p import irecv, isend
 from ..rooted import gather, reduce, scatter
 from ..uneven import all_to_all_single_uneven
-from ._work import DoneWork, FerrompiWork, PostedWork, QueuedWork, _defer, _drain
+from ._work import (
+    DoneWork,
+    FerrompiWork,
+    PostedWork,
+    QueuedWork,
+    _defer,
+    _drain,
+    lane_idle,
+)
 
 __all__ = ["BACKEND_NAME", "ProcessGroupFerrompi"]
 
@@ -131,13 +139,27 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
     def _collective(self, asynchronous: bool, start, outputs: list, finish=None) -> FerrompiWork:
         """The work of a collective: ``start(async_op)`` returns its pendings.
 
-        Asynchronous (DDP's buckets, ``async_op=True``): the lane runs its
+        Asynchronous (``async_op=True``: DDP's buckets, tensor parallelism's
+        functional collectives) from :data:`LANE_FROM` bytes: the lane runs its
         blocking call (the node engine's, where the blocking call takes it)
-        while the caller goes on. Otherwise it runs here, once the lane has
-        run the collectives handed to it before: program order, on every rank.
+        while the caller goes on. Smaller ones are posted here, as MPI's
+        non-blocking call, sparing the hand-over to the lane's thread, or,
+        while the lane still has collectives to run (which must reach MPI
+        first), handed to the lane to post in turn. Every rank takes the same
+        transport for a call, whichever thread posts it. Otherwise the call
+        runs here, once the lane has run the collectives handed to it before:
+        program order, on every rank.
         """
         if asynchronous and self._coalescing is None:
-            return _defer(QueuedWork(outputs, start, finish))
+            if _nbytes(outputs) >= LANE_FROM:
+                return _defer(QueuedWork(outputs, start, finish))
+            if lane_idle():
+                try:
+                    pendings = start(True)
+                except Exception as exc:  # wait() and the future raise it, as the lane's do
+                    return DoneWork(outputs, error=exc)
+                return self._work(True, pendings, outputs, finish)
+            return _defer(QueuedWork(outputs, _posted_then_waited(start), finish))
         _drain()
         return self._work(asynchronous, start(asynchronous), outputs, finish)
 
@@ -341,6 +363,30 @@ ProcessGroupFerrompi.all_gather_single_coalesced = (
 ProcessGroupFerrompi.reduce_scatter_single_coalesced = (
     ProcessGroupFerrompi.reduce_scatter_tensor_coalesced
 )
+
+
+#: Bytes of its outputs from which an asynchronous collective runs on the lane as
+#: its blocking call, the node engine included; below, the transport is MPI's
+#: non-blocking call, posted without waking a thread (docs/performance.md, "After
+#: compute": the lane's hand-over costs tens of microseconds, the engine's gain
+#: over MPI passes that from about 1 MiB).
+LANE_FROM = 1 << 20
+
+
+def _nbytes(outputs: list) -> int:
+    """The bytes of a collective's output tensors (torch nests them in lists for some)."""
+    return sum(_nbytes(t) if isinstance(t, list) else t.nbytes for t in outputs)
+
+
+def _posted_then_waited(start):
+    """``start`` for the lane, of a collective that takes MPI's non-blocking call:
+    the lane posts it and waits for it, as the caller would have."""
+
+    def run(asynchronous: bool) -> None:
+        for pending in start(True):
+            pending.wait()
+
+    return run
 
 
 def _asynchronous(opts) -> bool:

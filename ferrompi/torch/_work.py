@@ -25,7 +25,7 @@ import torch
 from .._wait import helper_thread
 from ._compat import Work
 
-__all__ = ["DoneWork", "FerrompiWork", "PostedWork", "QueuedWork"]
+__all__ = ["DoneWork", "FerrompiWork", "PostedWork", "QueuedWork", "lane_idle"]
 
 
 # ---------------------------------------------------------------------------
@@ -126,19 +126,39 @@ class FerrompiWork(Work):
 
 
 class QueuedWork(FerrompiWork):
-    """An asynchronous collective, run by the lane (:func:`_defer`) as its blocking call.
+    """An asynchronous collective, run as its blocking call in the lane's order (:func:`_defer`).
 
-    ``start(False)`` runs the blocking call; ``wait()`` waits until the lane has
-    run it (under the group's timeout), and the lane completes its future.
+    ``start(False)`` runs the blocking call, in the lane's thread or in the
+    thread of a ``wait()`` that comes first: a waiter runs the works still
+    queued up to its own, in their order, each once the one before has
+    settled, rather than wait for the lane's thread to wake up (a waiter
+    spins where the lane's waits may sleep). Either way each work runs once,
+    in the order the program called them. The lane completes the future of
+    a work nobody waits for (DDP's buckets).
     """
+
+    _claimed = False  # whether a thread (the lane's or a waiter's) has begun to run it
 
     def __init__(self, outputs: list, start, finish=None) -> None:
         super().__init__(outputs, finish)
         self._start = start
-        self._settled = threading.Event()  # set once the lane has run it
+        self._settled = threading.Event()  # set once it has run
+        self._before: QueuedWork | None = None  # the work handed to the lane just before
+
+    def _claim(self) -> bool:
+        """Take the work to run it; False if another thread has."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
 
     def _run(self) -> None:
-        """Run the deferred collective (the lane's thread): its blocking call, then settle."""
+        """Run the deferred collective: its blocking call, then settle. A thread that finds
+        it taken waits until it has settled, so that nothing runs before it is done."""
+        if not self._claim():
+            self._settled.wait()
+            return
         try:
             self._start(False)
             if self._finish is not None:
@@ -148,12 +168,19 @@ class QueuedWork(FerrompiWork):
         with self._lock:
             self._done = True
             inner = self._inner
+        self._before = None  # settled: the works before it are too
         self._settled.set()
         if inner is not None:
             inner.set_result(None)
 
     def _settle(self) -> None:
-        self._settled.wait()  # the lane runs it, under the group's timeout
+        unsettled = []
+        work: QueuedWork | None = self
+        while work is not None and not work._settled.is_set():
+            unsettled.append(work)
+            work = work._before
+        for work in reversed(unsettled):  # the lane's order: the earliest first
+            work._run()  # runs it here, or waits until the thread running it has
 
     def _watch(self) -> None:
         pass  # the lane settles it
@@ -205,19 +232,21 @@ class PostedWork(FerrompiWork):
 class DoneWork(FerrompiWork):
     """The work of a blocking call: the operation completed before the work was made.
 
-    ``finish`` (copies into torch's outputs), if given, runs here; its error is
-    the work's. Made on every blocking call, so it sets only what differs from a
-    completed work's class defaults (each attribute of torch's ``Work`` costs a
-    dictionary write on a C++ object).
+    ``finish`` (copies into torch's outputs), if given, runs here; its error, or
+    the call's own ``error``, is the work's. Made on every blocking call, so it
+    sets only what differs from a completed work's class defaults (each
+    attribute of torch's ``Work`` costs a dictionary write on a C++ object).
     """
 
     _done = True
     _lock = threading.Lock()  # get_future's; a done work never waits under it
 
-    def __init__(self, outputs: list, finish=None) -> None:
+    def __init__(self, outputs: list, finish=None, error: BaseException | None = None) -> None:
         Work.__init__(self)  # not FerrompiWork's: the class holds what a done work has
         self._outputs = outputs
-        if finish is not None:
+        if error is not None:  # the call failed: wait() and the future raise it
+            self._error = error
+        elif finish is not None:
             try:
                 finish()
             except BaseException as exc:
@@ -287,13 +316,20 @@ def _defer(work: QueuedWork) -> QueuedWork:
     """Hand the collective ``work`` to the lane: the thread that runs the process's
     asynchronous collectives, one after the other, in the order they were called."""
     lane = _thread(_LANE, "ferrompi-torch-lane")
+    work._before = lane.last
     lane.last = work
     lane.put(work._run)
     return work
 
 
+def lane_idle() -> bool:
+    """Whether the lane has run every collective handed to it (none to reach MPI first)."""
+    last = _LANE[0].last if _LANE else None
+    return last is None or last._settled.is_set()
+
+
 def _drain() -> None:
-    """Wait until the lane has run every collective handed to it (program order)."""
+    """Run, or wait until the lane has run, every collective handed to it (program order)."""
     last = _LANE[0].last if _LANE else None
     if last is not None and not last._settled.is_set():  # a flag read; wait() takes a lock
-        last._settled.wait()
+        last._settle()
