@@ -424,3 +424,137 @@ def test_a_missing_rank_is_named_within_the_group_timeout(groups):
     with pytest.raises(fm.CollectiveTimeout, match=rf"rank {n - 1}\b"):
         dist.all_reduce(torch.ones(1), group=short)
     dist.barrier()
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
+def test_all_gather_coalesced_matches_gloo(groups, dtype, async_op):
+    """torch's all_gather_coalesced fills ``outputs[r][i]`` with rank ``r``'s input
+    ``i`` (tensors of different shapes, one dtype a call, as torch requires): the same
+    tensors as gloo's, and, asynchronous, the same future value (the output lists)."""
+    n = dist.get_world_size()
+    dtype = getattr(torch, dtype)
+    shapes = [(2, 3), (5,), (1,), (0, 2)]
+    inputs = [_values(shape, dtype, seed=10 + i) for i, shape in enumerate(shapes)]
+    results = []
+    for group in groups:
+        outputs = [[torch.full(shape, -1, dtype=dtype) for shape in shapes] for _ in range(n)]
+        returned = dist.all_gather_coalesced(outputs, inputs, group=group, async_op=async_op)
+        if async_op:  # torch returns the work's future
+            value = returned.wait()
+            assert len(value) == n and all(
+                a is b
+                for got, want in zip(value, outputs, strict=True)
+                for a, b in zip(got, want, strict=True)
+            )
+        else:
+            assert returned is None
+        results.append(outputs)
+    ours, gloo = results
+    for mine, theirs in zip(ours, gloo, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    mine = [t.clone() for t in inputs]
+    for a, b in zip(ours[dist.get_rank()], mine, strict=True):  # its own row: its inputs
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _sparse(size: tuple, sparse_dims: int, dtype, seed: int):
+    """This rank's sparse COO tensor of ``size``: ``rank`` entries on rank ``r`` (none
+    on rank 0, duplicate indices likely, uncoalesced), exact small values."""
+    rank = dist.get_rank()
+    rng = np.random.default_rng([seed, rank])
+    nnz = 2 * rank
+    indices = np.stack([rng.integers(0, size[d], nnz) for d in range(sparse_dims)])
+    values = rng.integers(-8, 9, size=(nnz, *size[sparse_dims:])) / 4
+    return torch.sparse_coo_tensor(
+        torch.from_numpy(indices).reshape(sparse_dims, nnz),
+        torch.from_numpy(values).to(dtype),
+        size,
+        check_invariants=True,
+    )
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "size, sparse_dims",
+    [((9,), 1), ((7, 3), 1), ((4, 5, 2), 2), ((6, 4), 2)],
+    ids=["1d", "1d-dense-3", "2d-dense-2", "2d"],
+)
+def test_sparse_all_reduce_matches_gloo(groups, size, sparse_dims, dtype, async_op):
+    """The SUM of sparse COO tensors with a different number of entries on each rank
+    (none on rank 0): the caller's tensor holds gloo's coalesced sum, the same indices
+    and values, and is the work's result."""
+    dtype = getattr(torch, dtype)
+    x = _sparse(size, sparse_dims, dtype, seed=20)
+    got = []
+    for group in groups:
+        t = x.clone()
+        work = dist.all_reduce(t, group=group, async_op=async_op)
+        if async_op:
+            work.wait()
+            assert work.result()[0] is t
+        assert t.is_sparse and t.is_coalesced() and t.shape == x.shape
+        got.append(t)
+    ours, gloo = got
+    assert ours._nnz() == gloo._nnz() > 0
+    torch.testing.assert_close(ours.indices(), gloo.indices(), rtol=0, atol=0)
+    torch.testing.assert_close(ours.values(), gloo.values(), rtol=0, atol=0)
+
+
+def test_sparse_all_reduce_of_another_op_is_refused_as_by_gloo(groups):
+    """gloo sums sparse tensors only; ferrompi refuses the rest too, on every rank,
+    before communicating, and the group goes on working."""
+    ours, gloo = groups
+    x = _sparse((5, 2), 1, torch.float32, seed=21)
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT):
+        with pytest.raises(RuntimeError, match=r"only works with ReduceOp\.SUM"):
+            dist.all_reduce(x.clone(), op=op, group=gloo)
+        with pytest.raises(fm.UnsupportedOp, match=r"only works with ReduceOp\.SUM"):
+            dist.all_reduce(x.clone(), op=op, group=ours)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=ours)
+    assert t.tolist() == [float(dist.get_world_size())] * 2
+
+
+class _SparseNet(nn.Module):
+    """An embedding with sparse gradients, then a dense layer: DDP all-reduces the
+    embedding's gradient as a sparse tensor, the linear layer's as dense buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.embedding(ids).mean(dim=1))
+
+
+def _train_sparse(group, steps: int) -> list:
+    """DDP training of :class:`_SparseNet` on ``group``; each rank its own seeded ids."""
+    torch.manual_seed(0)
+    net = nn.parallel.DistributedDataParallel(_SparseNet(), process_group=group)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5 + dist.get_rank())
+    for _ in range(steps):
+        ids = torch.randint(0, 10, (3, 2 + dist.get_rank()), generator=g)
+        y = torch.randn(3, 2, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(ids), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in net.module.parameters()]
+
+
+def test_ddp_with_a_sparse_embedding_equals_gloo(groups):
+    """DDP of a model with ``nn.Embedding(sparse=True)`` on "ferrompi" and on gloo, from
+    the same seed and data: the same parameters after a few SGD steps (the sparse
+    gradients summed as gloo sums them; the dense ones may add in another order)."""
+    ours, gloo = groups
+    torch.manual_seed(0)
+    start = [p.detach().clone() for p in _SparseNet().parameters()]
+    got = _train_sparse(ours, 4)
+    want = _train_sparse(gloo, 4)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(got[0], start[0])  # the embedding was trained

@@ -27,6 +27,7 @@ from ..ops import ReduceOp
 from ..p2p import irecv, isend
 from ..rooted import gather, reduce, scatter
 from ..uneven import all_to_all_single_uneven
+from ._sparse import sparse_allreduce_sum
 from ._work import (
     DoneWork,
     FerrompiWork,
@@ -167,12 +168,31 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         op, b = _op(opts), self.backend
+        if tensors[0].is_sparse:  # torch's tensors of one call share a layout
+            return self._sparse_allreduce(tensors, op)
         views = [_view(t) for t in tensors]
         return self._collective(
             _asynchronous(opts),
             lambda a: [allreduce(v, b, op, out=v, async_op=a) for v in views],
             tensors,
         )
+
+    def _sparse_allreduce(self, tensors, op) -> FerrompiWork:
+        """The all-reduce of sparse COO tensors (:func:`~._sparse.sparse_allreduce_sum`).
+
+        Its gathers are blocking calls of uneven sizes, one after the other, so
+        it completes in the call even when torch asks for it at once (the work
+        is done when returned), once the lane has run the collectives called
+        before it: program order, on every rank.
+        """
+        b = self.backend
+
+        def start(asynchronous: bool) -> list:
+            for t in tensors:
+                sparse_allreduce_sum(t, b, op)
+            return []
+
+        return self._collective(False, start, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op, b = _op(opts), self.backend
@@ -247,6 +267,18 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         )
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._allgather(output_tensors, input_tensors, opts, output_tensors)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """torch's ``all_gather_coalesced``: ``output_lists[r][i]`` receives rank
+        ``r``'s ``input_list[i]``, the transpose of :meth:`allgather`'s layout
+        (``output_tensors[i][r]``); the work's result is ``output_lists``, as gloo's."""
+        by_input = [list(outs) for outs in zip(*output_lists, strict=True)]
+        return self._allgather(by_input, input_list, opts, output_lists)
+
+    def _allgather(self, output_tensors, input_tensors, opts, result: list) -> FerrompiWork:
+        """Gather each input in one call into a fused tensor, then copy its parts to
+        ``output_tensors[i][r]`` (rank ``r``'s input ``i``); ``result``: the work's."""
         b = self.backend
         fused, copies = [], []
         for outs, inp in zip(output_tensors, input_tensors, strict=True):
@@ -256,12 +288,9 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         return self._collective(
             _asynchronous(opts),
             lambda a: [all_gather(i, b, out=o, async_op=a) for i, o in fused],
-            output_tensors,
+            result,
             _copy_parts(copies),
         )
-
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root, b, t = opts.rootRank, self.backend, input_tensors[0]
