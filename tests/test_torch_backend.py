@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import re
 import socket
 from contextlib import nullcontext
 
@@ -415,14 +416,34 @@ def test_new_group_runs_on_the_members_communicator(groups):
         dist.destroy_process_group(sub)  # torch's rule: its members destroy it
 
 
-def test_a_missing_rank_is_named_within_the_group_timeout(groups):
+#: How torch's own distributed tests recognise a timed-out collective (distributed_test.py).
+TORCH_TIMEOUT_WORDS = r" (Timed out|closed|timeout) "
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+def test_a_missing_rank_is_named_within_the_group_timeout_in_torch_s_words(groups, async_op):
+    """A collective a rank never joins raises, on the others, within the group's
+    timeout: what gloo raises in the same processes (a RuntimeError in torch's words,
+    which torch's own tests match), and ferrompi's CollectiveTimeout naming the rank,
+    one exception of both classes."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    short = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    timeout = datetime.timedelta(seconds=2)
+    short = dist.new_group(timeout=timeout)
+    short_gloo = dist.new_group(backend="gloo", timeout=timeout)
     if rank == n - 1:  # never joins
         dist.barrier()
         return
-    with pytest.raises(fm.CollectiveTimeout, match=rf"rank {n - 1}\b"):
-        dist.all_reduce(torch.ones(1), group=short)
+    with pytest.raises(RuntimeError, match=TORCH_TIMEOUT_WORDS):
+        dist.all_reduce(torch.ones(1), group=short_gloo)
+    with pytest.raises(fm.CollectiveTimeout, match=rf"rank {n - 1}\b") as raised:
+        work = dist.all_reduce(torch.ones(1), group=short, async_op=async_op)
+        if async_op:
+            work.wait()
+    error = raised.value
+    assert isinstance(error, dist.DistBackendError) and isinstance(error, RuntimeError)
+    assert re.search(TORCH_TIMEOUT_WORDS, str(error)), str(error)
+    assert "Timed out waiting 2000ms for " in str(error)
+    assert error.missing == (n - 1,) and error.seconds == 2
     dist.barrier()
 
 

@@ -21,12 +21,14 @@ from ..collectives import (
     broadcast,
     reduce_scatter,
 )
+from ..errors import DistributedError
 from ..groups import destroy_process_group
 from ..monitored import monitored_barrier
 from ..ops import ReduceOp
 from ..p2p import irecv, isend
 from ..rooted import gather, reduce, scatter
 from ..uneven import all_to_all_single_uneven
+from ._errors import as_torch_error
 from ._sparse import sparse_allreduce_sum
 from ._work import (
     DoneWork,
@@ -162,7 +164,11 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
                 return self._work(True, pendings, outputs, finish)
             return _defer(QueuedWork(outputs, _posted_then_waited(start), finish))
         _drain()
-        return self._work(asynchronous, start(asynchronous), outputs, finish)
+        try:
+            pendings = start(asynchronous)
+        except DistributedError as exc:  # torch's class too (and wording, for timeouts)
+            raise as_torch_error(exc) from None
+        return self._work(asynchronous, pendings, outputs, finish)
 
     # -- reductions ----------------------------------------------------------
 
@@ -357,17 +363,26 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
 
     # -- messages and barriers -------------------------------------------------
 
+    def _messages(self, post, tensors: list, any_source: bool = False) -> FerrompiWork:
+        """The work of the messages ``post(t)`` starts, one per tensor (the first only,
+        from ``any_source``); an error as torch's too (:func:`~._errors.as_torch_error`)."""
+        try:
+            pendings = [post(t) for t in (tensors[:1] if any_source else tensors)]
+        except DistributedError as exc:
+            raise as_torch_error(exc) from None
+        return self._work(True, pendings, tensors, source=pendings[0] if any_source else None)
+
     def send(self, tensors, dstRank, tag):  # noqa: N803 - torch's names
-        pendings = [isend(_view(t), dstRank, self.backend, tag) for t in tensors]
-        return self._work(True, pendings, tensors)
+        b = self.backend
+        return self._messages(lambda t: isend(_view(t), dstRank, b, tag), tensors)
 
     def recv(self, tensors, srcRank, tag):  # noqa: N803
-        pendings = [_recv_into(t, srcRank, self.backend, tag) for t in tensors]
-        return self._work(True, pendings, tensors)
+        b = self.backend
+        return self._messages(lambda t: _recv_into(t, srcRank, b, tag), tensors)
 
     def recv_anysource(self, tensors, tag):
-        pending = _recv_into(tensors[0], None, self.backend, tag)
-        return self._work(True, [pending], tensors, source=pending)
+        b = self.backend
+        return self._messages(lambda t: _recv_into(t, None, b, tag), tensors, any_source=True)
 
     def barrier(self, opts=None):
         b = self.backend

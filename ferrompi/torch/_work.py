@@ -24,6 +24,7 @@ import torch
 
 from .._wait import helper_thread
 from ._compat import Work
+from ._errors import as_torch_error
 
 __all__ = ["DoneWork", "FerrompiWork", "PostedWork", "QueuedWork", "lane_idle"]
 
@@ -164,7 +165,7 @@ class QueuedWork(FerrompiWork):
             if self._finish is not None:
                 self._finish()
         except BaseException as exc:
-            self._error = exc
+            self._error = as_torch_error(exc)
         with self._lock:
             self._done = True
             inner = self._inner
@@ -214,7 +215,7 @@ class PostedWork(FerrompiWork):
                 if self._finish is not None:
                     self._finish()
             except BaseException as exc:
-                self._error = exc
+                self._error = as_torch_error(exc)
             finally:
                 self._pendings = []
                 self._done = True  # before the future: its waiters may ask at once
@@ -245,12 +246,12 @@ class DoneWork(FerrompiWork):
         Work.__init__(self)  # not FerrompiWork's: the class holds what a done work has
         self._outputs = outputs
         if error is not None:  # the call failed: wait() and the future raise it
-            self._error = error
+            self._error = as_torch_error(error)
         elif finish is not None:
             try:
                 finish()
             except BaseException as exc:
-                self._error = exc
+                self._error = as_torch_error(exc)
 
     def _settle(self) -> None:
         pass  # done when made
