@@ -16,6 +16,7 @@ import importlib
 import os
 import re
 import socket
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -445,6 +446,27 @@ def test_a_missing_rank_is_named_within_the_group_timeout_in_torch_s_words(group
     assert "Timed out waiting 2000ms for " in str(error)
     assert error.missing == (n - 1,) and error.seconds == 2
     dist.barrier()
+
+
+@pytest.mark.parametrize("seconds", [0, -1])
+def test_a_monitored_barrier_with_no_time_left_raises_at_once_in_torch_s_words(groups, seconds):
+    """A monitored barrier whose timeout is zero or negative has expired before it
+    starts, as with torch's backends: every rank that calls it raises at once, in the
+    words torch's own tests match ("Rank 0 timed out in monitoredBarrier"), an error
+    that is torch's and ferrompi's; nothing was sent, so the group goes on working."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pg = dist.new_group()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"Rank {rank} timed out in monitoredBarrier") as raised:
+        pg.monitored_barrier(datetime.timedelta(seconds=seconds))
+    assert time.monotonic() - start < 5.0  # at once: waiting would take the 60 s default
+    assert isinstance(raised.value, fm.CollectiveTimeout)
+    assert isinstance(raised.value, dist.DistBackendError)
+    pg.monitored_barrier(datetime.timedelta(seconds=60))  # the group still works
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pg)
+    assert t.item() == n
+    dist.destroy_process_group(pg)
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])

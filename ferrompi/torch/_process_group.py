@@ -21,7 +21,7 @@ from ..collectives import (
     broadcast,
     reduce_scatter,
 )
-from ..errors import DistributedError
+from ..errors import CollectiveTimeout, DistributedError
 from ..groups import destroy_process_group
 from ..monitored import monitored_barrier
 from ..ops import ReduceOp
@@ -389,7 +389,19 @@ class ProcessGroupFerrompi(dist.ProcessGroup):
         return self._collective(_asynchronous(opts), lambda a: [barrier(b, async_op=a)], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """torch's ``monitored_barrier``; a timeout of zero or less has expired before
+        the call, as with torch's own backends: this rank raises at once (without
+        communicating, so the group stays usable), in torch's words."""
         b = self.backend
+        if timeout is not None and timeout.total_seconds() <= 0:
+            ms = max(0, round(timeout.total_seconds() * 1000))
+            expired = CollectiveTimeout(
+                max(0.0, timeout.total_seconds()),
+                "monitored_barrier",
+                details=f"Rank {b.rank} timed out in monitoredBarrier after {ms} ms: "
+                "a timeout of zero or less expires before any rank can arrive",
+            )
+            raise as_torch_error(expired)
         return self._collective(
             False,
             lambda a: monitored_barrier(b, timeout=timeout, wait_all_ranks=wait_all_ranks),
