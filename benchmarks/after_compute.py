@@ -58,7 +58,6 @@ class LocalCompute:
             (self.a[i : i + _CHUNK], self.b[i : i + _CHUNK], self.c[i : i + _CHUNK])
             for i in range(0, _ELEMENTS, _CHUNK)
         ]
-        self.microseconds = microseconds
 
     def __call__(self) -> None:
         perf_counter, multiply, subtract = time.perf_counter, np.multiply, np.subtract
@@ -69,6 +68,15 @@ class LocalCompute:
                 subtract(c, a, out=c)
                 if perf_counter() >= end:
                     return
+
+    def then(self, call: Callable[[], object]) -> Callable[[], None]:
+        """``call`` preceded by this compute, as one callable (to calibrate a block)."""
+
+        def compute_then_call() -> None:
+            self()
+            call()
+
+        return compute_then_call
 
 
 def after_compute_seconds(

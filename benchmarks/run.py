@@ -613,7 +613,7 @@ def measure(
     counts: dict[str, int] = {}
     for name, call in calls.items():
         same = name == "baseline" and "ferrompi" in counts
-        timed = call if compute is None else lambda call=call: (compute(), call())
+        timed = call if compute is None else compute.then(call)
         counts[name] = counts["ferrompi"] if same else calibrate(comm, timed, block_s)
     samples: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)

@@ -128,7 +128,7 @@ def block(call, k: int, world, compute: LocalCompute | None = None) -> float:
 
 def calibrate(call, world, block_ms: float, compute: LocalCompute | None = None) -> int:
     if compute is not None:
-        call = lambda call=call: (compute(), call())  # noqa: E731
+        call = compute.then(call)
     k = 1
     while True:
         seconds = block(call, k, world) * k
