@@ -262,7 +262,9 @@ def _conclude(
     if wait is STEPS:
         req, result, finish, keep = req
         if req is None:  # the steps completed the operation
-            return result
+            if blocking:
+                return result
+            return PendingCollective.completed(state, opcode, seq, result, seconds)
         wait = None
     peer, status, expected = _COLLECTIVE if wait is None else wait
     if blocking:

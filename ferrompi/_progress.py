@@ -349,6 +349,14 @@ class PendingCollective:
         self._error: BaseException | None = None
         self._entry = state.last
 
+    @classmethod
+    def completed(cls, state, opcode: int, seq: int, result, seconds: float) -> PendingCollective:
+        """The pending of an operation that completed in its call (its steps needed no
+        request): :meth:`wait` returns ``result``, :meth:`is_completed` is True."""
+        pending = cls(state, opcode, seq, None, result, None, seconds)
+        pending._done = True
+        return pending
+
     def __repr__(self) -> str:
         status = "completed" if self._done else "pending"
         return f"<PendingCollective {self.op_name} {status}>"

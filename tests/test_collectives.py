@@ -388,7 +388,7 @@ def _split_table(size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4, size=(size, size))
 
 
-def _uneven(b, seed, row_shape, pass_recv, dtype=np.float32):
+def _uneven(b, seed, row_shape, pass_recv, dtype=np.float32, async_op=False):
     size, rank = b.world_size, b.rank
     table = _split_table(size, seed)
     inputs = [
@@ -399,16 +399,22 @@ def _uneven(b, seed, row_shape, pass_recv, dtype=np.float32):
         [inputs[s][offsets[s][rank] : offsets[s][rank + 1]] for s in range(size)]
     )
     recv = table[:, rank].tolist() if pass_recv else None
-    got = fm.all_to_all_single_uneven(inputs[rank], table[rank].tolist(), recv, b)
+    got = fm.all_to_all_single_uneven(
+        inputs[rank], table[rank].tolist(), recv, b, async_op=async_op
+    )
+    if async_op:  # a pending, also when the rows came in the table exchange (done at once)
+        assert isinstance(got, fm.PendingCollective)
+        got = got.wait()
     np.testing.assert_array_equal(got, expected)
     assert got.shape == (int(table[:, rank].sum()), *row_shape)
 
 
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("pass_recv", [True, False], ids=["recv_splits", "recv_None"])
 @pytest.mark.parametrize("row_shape", [(), (3,), (2, 2)])
-def test_uneven_all_to_all(group, row_shape, pass_recv):
+def test_uneven_all_to_all(group, row_shape, pass_recv, async_op):
     for seed in range(3):
-        group.run(_uneven, seed, row_shape, pass_recv)
+        group.run(_uneven, seed, row_shape, pass_recv, np.float32, async_op)
 
 
 @pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.float16, np.complex128])
