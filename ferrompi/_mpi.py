@@ -17,6 +17,9 @@ when nothing formed one first.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import multiprocessing.util
+import traceback
 
 from ._pm import PM_VARIABLES, defer_mpi_init, launched_by_process_manager
 from .errors import BackendUnavailable
@@ -41,6 +44,7 @@ __all__ = [
     "require_mpi",
     "initialize",
     "on_initialized",
+    "at_exit",
 ]
 
 _PENDING: list = []  # what on_initialized keeps for the moment MPI is initialised
@@ -85,6 +89,11 @@ def initialize() -> None:
     }.get(str(mpi4py.rc.thread_level), MPI.THREAD_MULTIPLE)
     MPI.Init_thread(level)
     _INITIALIZED_HERE.append(True)
+    if multiprocessing.parent_process() is not None:
+        # a process that multiprocessing forked (fork, forkserver) ends with os._exit,
+        # skipping atexit: its end runs multiprocessing's finalizers, and ferrompi's
+        # exit handlers with them (a spawned one runs them there too, once)
+        multiprocessing.util.Finalize(None, _run_exit_handlers, exitpriority=0)
     _run_pending()
 
 
@@ -104,7 +113,32 @@ def _finalize_at_exit() -> None:
         MPI.Finalize()
 
 
-atexit.register(_finalize_at_exit)
+_AT_EXIT: list = [_finalize_at_exit]  # ferrompi's exit handlers, the first registered first
+
+
+def at_exit(handler):
+    """Run ``handler()`` once when this process ends, before the handlers registered
+    earlier (as :func:`atexit.register`, and usable as a decorator).
+
+    At the interpreter's exit; in a process that :mod:`multiprocessing` started
+    and in which ferrompi initialised MPI, when the process's target returns
+    (a forked one never reaches the interpreter's exit). ``MPI_Finalize``
+    (:func:`_finalize_at_exit`) comes last.
+    """
+    _AT_EXIT.append(handler)
+    return handler
+
+
+def _run_exit_handlers() -> None:
+    while _AT_EXIT:
+        handler = _AT_EXIT.pop()
+        try:
+            handler()
+        except Exception:  # as atexit: report it and run the others
+            traceback.print_exc()
+
+
+atexit.register(_run_exit_handlers)
 
 
 def require_mpi() -> None:

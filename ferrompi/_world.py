@@ -13,10 +13,17 @@ address and a per-job token through the store; each rank connects twice
 A thread per rank (the *watch*) listens on the control connection: when
 the server ends the job (a rank died, or called ``MPI_Abort``) it prints
 why and exits the process with the job's status.
+
+MPICH tells the server of ``MPI_Finalize`` from its C exit handler; a rank
+that :mod:`multiprocessing` forked (``fork``, ``forkserver``) ends with
+``os._exit``, which runs none, so there ferrompi says it (PMI-1's
+``finalize``) once its own exit handlers have finalized MPI.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.util
 import os
 import secrets
 import socket
@@ -201,7 +208,8 @@ def form_world(store, rank: int, size: int, timeout: float) -> None:
     pmi.settimeout(None)
     for name in [v for v in os.environ if v.startswith("PMIX_")] + ["PMI_PORT", "PMI_ID"]:
         os.environ.pop(name, None)
-    os.environ.update(PMI_FD=str(pmi.detach()), PMI_RANK=str(rank), PMI_SIZE=str(size))
+    pmi_fd = pmi.detach()
+    os.environ.update(PMI_FD=str(pmi_fd), PMI_RANK=str(rank), PMI_SIZE=str(size))
     watch = threading.Thread(target=_watch, args=(control,), name="ferrompi-world-watch")
     watch.daemon = True
     watch.start()
@@ -211,7 +219,29 @@ def form_world(store, rank: int, size: int, timeout: float) -> None:
         # MPI has read them; a process this one starts is not a rank of this job.
         for name in ("PMI_FD", "PMI_RANK", "PMI_SIZE"):
             os.environ.pop(name, None)
+    if (
+        multiprocessing.parent_process() is not None
+        and multiprocessing.get_start_method(allow_none=True) in _FORKED
+    ):  # after initialize's finalizer (priority 0), which finalizes MPI
+        multiprocessing.util.Finalize(None, _say_finalized, args=(pmi_fd,), exitpriority=-1)
     _FORMED[:] = [size]
+
+
+#: The start methods whose processes end with ``os._exit`` (no C exit handlers).
+_FORKED = ("fork", "forkserver")
+
+
+def _say_finalized(pmi_fd: int) -> None:
+    """Tell the server this rank has finalized MPI, as MPICH's exit handler would."""
+    if not MPI.Is_finalized():
+        return  # it has not: the server must see this rank's exit as a death
+    try:
+        with socket.socket(fileno=os.dup(pmi_fd)) as pmi:
+            pmi.settimeout(5.0)
+            pmi.sendall(b"cmd=finalize\n")
+            read_line(pmi)  # cmd=finalize_ack: the server has counted it
+    except OSError:  # the server is gone: nothing is waiting for this rank
+        pass
 
 
 def form_world_from_environment(timeout: float) -> None:

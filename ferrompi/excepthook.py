@@ -23,7 +23,6 @@ that exits normally while a peer process on its node has died (killed, or
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 import sys
@@ -32,7 +31,7 @@ import time
 import traceback
 
 from . import _status_board
-from ._mpi import MPI
+from ._mpi import MPI, at_exit
 from .flight import dump_participant
 
 __all__ = ["install_excepthook"]
@@ -145,7 +144,7 @@ def _abort_if_a_peer_died() -> None:
         )
 
 
-atexit.register(_abort_if_a_peer_died)
+at_exit(_abort_if_a_peer_died)
 
 _LAUNCHER_FILES = ("<frozen runpy>", __file__.replace("excepthook.py", "__main__.py"))
 

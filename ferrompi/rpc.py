@@ -54,7 +54,6 @@ array([2., 2.])
 
 from __future__ import annotations
 
-import atexit
 import re
 import sys
 import threading
@@ -63,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from ._mpi import MPI
+from ._mpi import MPI, at_exit
 from ._progress import timeout_seconds
 from ._rpc_agent import _HANDLING, RpcFuture, WorkerInfo, _Agent
 from ._rpc_registry import _add, _function_name
@@ -485,7 +484,7 @@ def init_rpc(
         _SHUT_DOWN = False
         _AGENT.thread.start()  # now that handlers find the agent
         if not _ATEXIT:
-            atexit.register(_close_at_exit)
+            at_exit(_close_at_exit)
             _ATEXIT.append(True)
         return WorkerInfo(names[rank], rank)
 

@@ -264,23 +264,30 @@ SPAWNED = """
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        size, init_method, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-        mp.spawn(worker, args=(size, init_method, out), nprocs=size)
+        size, init_method, out, method = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+        mp.start_processes(worker, args=(size, init_method, out), nprocs=size,
+                           start_method=method)
 """
 
 
-@pytest.mark.parametrize("scheme", ["file", "tcp"])
-def test_torch_multiprocessing_spawn_forms_one_world(tmp_path, no_process_left, scheme):
+@pytest.mark.parametrize(
+    "scheme, start_method",
+    [("file", "spawn"), ("tcp", "spawn"), ("file", "fork"), ("tcp", "forkserver")],
+)
+def test_torch_multiprocessing_forms_one_world(tmp_path, no_process_left, scheme, start_method):
+    # fork and forkserver end their processes with os._exit (no C exit handler, where
+    # MPICH would tell the world's server of MPI_Finalize): they must end as cleanly
     script = _script(tmp_path, SPAWNED)
     size = 3
     init = f"file://{tmp_path / 'store'}" if scheme == "file" else f"tcp://127.0.0.1:{_free_port()}"
     run = subprocess.run(
-        [sys.executable, str(script), str(size), init, str(tmp_path / "out")],
+        [sys.executable, str(script), str(size), init, str(tmp_path / "out"), start_method],
         capture_output=True,
         text=True,
         timeout=OUTER_TIMEOUT,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "ferrompi" not in run.stderr, run.stderr[-3000:]  # no rank seen to die
     total = (np.arange(6.0) * sum(r + 1 for r in range(size))).tolist()
     for rank in range(size):
         report = json.loads((tmp_path / f"out.{rank}").read_text())

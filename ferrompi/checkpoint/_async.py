@@ -9,7 +9,6 @@ they were started, one after the other, on every rank alike.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import pathlib
 import queue
@@ -17,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 
-from .._mpi import MPI
+from .._mpi import MPI, at_exit
 from .._simcomm import SimComm
 from ..backend import Backend
 from ..errors import AsyncCheckpointFailed, CheckpointInvalidArgument
@@ -111,7 +110,7 @@ def _writer_for(backend: Backend) -> _Writer:
     return writer
 
 
-@atexit.register
+@at_exit
 def _drain_all() -> None:
     """At exit (before MPI is finalised), let the saves in flight finish."""
     for writer in list(_ALL):

@@ -15,13 +15,13 @@ made: its :class:`DoneWork` only hands torch the outputs. All three are
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import queue
 import threading
 
 import torch
 
+from .._mpi import at_exit
 from .._wait import helper_thread
 from ._compat import Work
 from ._errors import as_torch_error
@@ -269,7 +269,7 @@ class _Progress:
     """A thread that runs jobs in the order they are put: the lane's (deferred
     collectives) or the progress thread's (completing started messages).
 
-    Stopped at interpreter exit (:func:`atexit`), before Python finalizes: a
+    Stopped at the process's end (:func:`ferrompi._mpi.at_exit`), before Python finalizes: a
     daemon thread still alive then is unwound by the interpreter, and one
     with torch's C++ frames on its stack aborts the process.
     """
@@ -279,7 +279,7 @@ class _Progress:
         self.last: QueuedWork | None = None  # the lane's last deferred collective
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
-        atexit.register(self.stop)
+        at_exit(self.stop)
 
     def put(self, job) -> None:
         self.works.put(job)
