@@ -110,6 +110,12 @@ for n in $MPI_SIZES; do
     "$MPIEXEC" -n "$n" "${PYTEST[@]}" --with-mpi $PYTEST_ARGS tests
 done
 
+# torch's own distributed suite, every process group a "ferrompi" group, in three
+# modes (scripts/torch-suite.sh, docs/testing.md); skipped, saying so, without torch.
+stage "torch's distributed suite on \"ferrompi\"" env PY="$PY" MPIEXEC="$MPIEXEC" \
+  TEST_TIMEOUT="$TEST_TIMEOUT" MPI_RUN_TIMEOUT="$MPI_RUN_TIMEOUT" PYTEST_ARGS="$PYTEST_ARGS" \
+  bash scripts/torch-suite.sh
+
 # The single-shared-file checkpoint tests need h5py built with MPI, which cannot
 # share a process with the mpich wheel: scripts/build-mpi-h5py.sh builds one against
 # Debian's MPICH in its own venv (root and apt-get; about 5 minutes, once) and runs
