@@ -11,11 +11,13 @@ gloo (``BACKEND=gloo``) and for its MPI backend (``BACKEND=mpi``, which here
 runs only the tests gloo's name leaves out). A test that checks the group's
 *name* sees "ferrompi" and is listed as such in docs/torch.md.
 
-Two modes, as torch runs its backends (docs/testing.md):
+Three modes (docs/testing.md):
 
 * ``TestDistBackendWithSpawn``: torch's own spawn harness (ranks started by
   ``torch.multiprocessing`` per test, ``init_method=file://``, rank and world
   size given): ferrompi forms the MPI world from that rendezvous.
+* ``TestDistBackendWithForkserver``: the same harness, each test's processes
+  forked from a server that has imported torch's suite.
 * ``TestDistBackendUnderMpiexec``: under ``mpiexec -n WORLD_SIZE``, each MPI
   rank runs every test in its own process, the group formed on MPI's world.
 
@@ -107,8 +109,9 @@ def tests_torch_runs_for(name: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", listing], env=env, capture_output=True, text=True, check=True
     )
-    os.environ[kept] = " ".join(out.stdout.split())
-    return set(out.stdout.split())
+    names = out.stdout.split()
+    os.environ[kept] = " ".join(names)
+    return set(names)
 
 
 #: The tests that fail on the group's backend *name* alone, by what they raise and
@@ -178,6 +181,11 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
 TEST_ENVIRONMENT = ("TEMP_DIR", "INIT_METHOD")
 
 
+def _test_environment() -> dict:
+    """This process's :data:`TEST_ENVIRONMENT`, as its set-up left it."""
+    return {k: os.environ[k] for k in TEST_ENVIRONMENT if k in os.environ}
+
+
 def _take_test_environment(environ: dict) -> None:
     """This process's environment and the suite's global as a spawned child's would be."""
     os.environ.update(environ)
@@ -199,7 +207,7 @@ class TestDistBackendWithForkserver(TestDistBackend, DistributedTest._DistTestBa
 
     def setUp(self):
         super().setUp()
-        environ = {k: os.environ[k] for k in TEST_ENVIRONMENT if k in os.environ}
+        environ = _test_environment()
 
         def process(**how):
             how["kwargs"] = {**how["kwargs"], "environ": environ}
@@ -257,8 +265,10 @@ class TestDistBackendUnderMpiexec(TestDistBackend, DistributedTest._DistTestBase
         if world.rank == 0:
             initialize_temp_directories()
         # torch's _run, in this rank: every rank on rank 0's files
-        environ = {k: os.environ[k] for k in TEST_ENVIRONMENT if k in os.environ}
-        environ, self.file_name = world.bcast((environ, self.file_name))
+        own_file = self.file_name
+        environ, self.file_name = world.bcast((_test_environment(), self.file_name))
+        if self.file_name != own_file:
+            os.remove(own_file)  # made by MultiProcessTestCase.setUp, unused
         _take_test_environment(environ)
         Barrier.init()  # this rank's count from zero, in the new (empty) directory
         world.Barrier()
