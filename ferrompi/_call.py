@@ -264,7 +264,7 @@ def _conclude(
         if req is None:  # the steps completed the operation
             if blocking:
                 return result
-            return PendingCollective.completed(state, opcode, seq, result, seconds)
+            return PendingCollective._completed(state, opcode, seq, result, seconds)
         wait = None
     peer, status, expected = _COLLECTIVE if wait is None else wait
     if blocking:

@@ -350,7 +350,7 @@ class PendingCollective:
         self._entry = state.last
 
     @classmethod
-    def completed(cls, state, opcode: int, seq: int, result, seconds: float) -> PendingCollective:
+    def _completed(cls, state, opcode: int, seq: int, result, seconds: float) -> PendingCollective:
         """The pending of an operation that completed in its call (its steps needed no
         request): :meth:`wait` returns ``result``, :meth:`is_completed` is True."""
         pending = cls(state, opcode, seq, None, result, None, seconds)
