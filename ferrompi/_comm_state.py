@@ -11,6 +11,7 @@ first exchanges the call's header with the peers (:mod:`ferrompi.debug`).
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from time import monotonic_ns
@@ -18,7 +19,7 @@ from time import monotonic_ns
 import numpy as np
 
 from . import _status_board, _wait, debug
-from ._progress import RECOVERY, wait_step
+from ._progress import GROUP_HINT, RECOVERY, wait_step
 from ._status_board import (
     ACTIVE,
     DONE,
@@ -36,11 +37,63 @@ from ._status_board import (
     T_END,
     T_START,
 )
-from .errors import CollectiveTimeout, DistributedError
+from .errors import CollectiveTimeout, CommunicationError, DistributedError, InvalidArgument
 
 #: The ``call`` of :meth:`CommState.begin` for a collective that records no
 #: shape, dtype, reduction or root (a barrier, a step of the library's own).
 NO_ARGUMENTS = (-1, None, None, None, -1)
+
+
+#: Communicators this process created through ferrompi and has not freed.
+_held = 0
+
+
+def _max_groups() -> int:
+    text = os.environ.get("FERROMPI_MAX_GROUPS", "32768")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise InvalidArgument(f"FERROMPI_MAX_GROUPS must be a positive integer, got {text!r}")
+    return value
+
+
+#: The most communicators a process may hold through ferrompi (``FERROMPI_MAX_GROUPS``).
+#: Checked, agreed among the ranks, before each group is created: an MPI that
+#: runs out on one rank only (Open MPI) would leave the others inside the
+#: creation, so ferrompi refuses first, on every rank.
+MAX_GROUPS = _max_groups()
+
+
+def held_groups() -> int:
+    """How many communicators ferrompi created in this process and has not freed.
+
+    A group dropped without :func:`~ferrompi.destroy_process_group` still
+    holds its MPI communicator, so it still counts.
+    """
+    return _held
+
+
+def refuse_if_full(op: str, most_held: int) -> None:
+    """Raise on every rank when some rank of the new group's parent holds :data:`MAX_GROUPS`.
+
+    ``most_held`` is the largest :func:`held_groups` among the ranks, agreed
+    at the creation's arrival, so every rank raises or none does.
+
+    Raises
+    ------
+    CommunicationError
+        If ``most_held`` has reached :data:`MAX_GROUPS`.
+    """
+    if most_held >= MAX_GROUPS:
+        raise CommunicationError(
+            op,
+            f"a rank of this group holds {most_held} groups, the most a process may hold "
+            f"(FERROMPI_MAX_GROUPS={MAX_GROUPS})",
+            None,
+            GROUP_HINT,
+        )
 
 
 class CommState:
@@ -93,12 +146,27 @@ class CommState:
         self.shm = None  # the node engine (ferrompi._shm): None until decided, then it or False
         self.crowded: bool | None = None  # one node with more ranks than CPUs (collectives)
         self.fusion: dict = {}  # dtype -> allreduce_coalesced's reused buffer
-        self.owned = False  # ferrompi created the communicator (split, new_group...): it frees it
+        self.owned = False  # ferrompi created the communicator (split, new_group...): see own()
         self.rejected = 0  # the collective this rank last rejected locally, until settled
         self.destroyed = False  # by ferrompi.destroy_process_group
         #: The live plans holding a persistent request on ``comm`` (ferrompi.plans):
         #: destroying the group releases their requests before the communicator.
         self.plans: weakref.WeakSet = weakref.WeakSet()
+
+    def own(self) -> None:
+        """Mark the communicator as ferrompi's to free: it counts in :func:`held_groups`."""
+        global _held
+        if not self.owned:
+            self.owned = True
+            _held += 1
+
+    def free_owned(self) -> None:
+        """Free the communicator if ferrompi created it (``destroy_process_group``)."""
+        global _held
+        if self.owned:
+            self.owned = False
+            _held -= 1
+            self.comm.Free()
 
     def fusion_buffer(self, dtype, count: int):
         """A reused 1-D buffer of ``count`` elements of ``dtype`` (grown, never shrunk)."""

@@ -131,6 +131,11 @@ ORDERED_MIN = _zeros_ordered(np.minimum, negative_wins=True)
 NAN_MAX = NAN_MIN = None
 #: SUM and PRODUCT of bfloat16, which MPI cannot add or multiply.
 ELEMENTWISE_SUM = ELEMENTWISE_PROD = None
+#: The integer dtypes whose MPI ``SUM`` saturates instead of wrapping as
+#: numpy, torch and gloo do (Open MPI's vectorised SUM of 8- and 16-bit
+#: integers gives 127 for int8 127 + 127, not -2): found at MPI_Init by
+#: :func:`_saturating_sums`; their SUM is ELEMENTWISE_SUM, numpy's add.
+SATURATING_SUM: frozenset[np.dtype] = frozenset()
 #: The MPI operation of each name the table below uses.
 _MPI_OPS: dict[str, object] = {}
 #: The numpy ufunc of each MPI reduction ferrompi uses, by the operation's
@@ -138,9 +143,26 @@ _MPI_OPS: dict[str, object] = {}
 UFUNCS: dict[int, object] = {}
 
 
+def _saturating_sums() -> frozenset[np.dtype]:
+    """The integer dtypes whose ``MPI.SUM`` does not wrap, probed with ``Reduce_local``.
+
+    Each probe adds the dtype's largest value to itself, 256 times: enough
+    elements for any vector width an MPI library reduces with.
+    """
+    found = []
+    for dtype in (np.dtype(c) for c in "bBhHiIlLqQ"):
+        top = np.full(256, np.iinfo(dtype).max, dtype)
+        total = top.copy()
+        MPI.SUM.Reduce_local(top, total)
+        if not np.array_equal(total, np.add(top, top)):
+            found.append(dtype)
+    return frozenset(found)
+
+
 def _create_operations() -> None:
     """Fill :data:`_MPI_OPS` and :data:`UFUNCS`; user-defined operations need MPI_Init."""
-    global NAN_MAX, NAN_MIN, ELEMENTWISE_SUM, ELEMENTWISE_PROD
+    global NAN_MAX, NAN_MIN, ELEMENTWISE_SUM, ELEMENTWISE_PROD, SATURATING_SUM
+    SATURATING_SUM = _saturating_sums()
     NAN_MAX, NAN_MIN = _elementwise(ORDERED_MAX), _elementwise(ORDERED_MIN)
     ELEMENTWISE_SUM, ELEMENTWISE_PROD = _elementwise(np.add), _elementwise(np.multiply)
     _MPI_OPS.update(
@@ -245,6 +267,8 @@ def mpi_op(op: ReduceOp, dtype: np.dtype) -> tuple[object, bool]:
             f"ReduceOp.{op.name} is not defined for {_KIND_NAMES[dtype.kind]} dtype "
             f"{dtype} (allowed: {allowed})"
         )
+    if name == "SUM" and dtype in SATURATING_SUM:
+        name = "ELEMENTWISE_SUM"
     result = (_MPI_OPS[name], op is ReduceOp.MEAN)
     _OP_CACHE[key] = result
     return result

@@ -36,8 +36,8 @@ from . import (
     excepthook,  # importing it also registers the exit handler
     launch,
 )
-from ._call import DEFAULT_GROUP, barrier_call, group_of, run
-from ._comm_state import CommState
+from ._call import DEFAULT_GROUP, group_of, run
+from ._comm_state import NO_ARGUMENTS, CommState, held_groups, refuse_if_full
 from ._mpi import MPI, require_mpi
 from ._progress import mpi_error, timeout_seconds
 from ._simcomm import SimComm
@@ -207,9 +207,27 @@ class Backend:
 
         Used before MPI calls that cannot time out (communicator creation):
         once all ranks are known to be there, the blocking call cannot hang on
-        a missing rank.
+        a missing rank. The arrival also agrees on the most groups any rank
+        holds, so that every rank refuses a group over ``FERROMPI_MAX_GROUPS``.
+
+        Raises
+        ------
+        CollectiveTimeout
+            If some rank does not arrive in time.
+        CommunicationError
+            If some rank already holds ``FERROMPI_MAX_GROUPS`` groups.
         """
-        run(self, _status_board.OPCODE[op], timeout, True, barrier_call, ())
+        most = np.zeros(1, np.int64)
+        held = np.array([held_groups()], np.int64)
+        run(self, _status_board.OPCODE[op], timeout, True, _arrival_call, (held, most))
+        refuse_if_full(op, int(most[0]))
+
+
+def _arrival_call(state, seconds: float, args: tuple) -> tuple:
+    """The prepared call of :meth:`Backend.gather_arrival`: an ``Iallreduce`` (MAX) of counts."""
+    held, most = args
+    post_args = ([held, 1, MPI.INT64_T], [most, 1, MPI.INT64_T], MPI.MAX)
+    return NO_ARGUMENTS, None, state.comm.Iallreduce, post_args, None, None, None, None
 
 
 def wrap_comm(comm, parent: Backend, timeout: float | None = None) -> Backend:
@@ -221,7 +239,7 @@ def wrap_comm(comm, parent: Backend, timeout: float | None = None) -> Backend:
         timeout=parent._timeout if timeout is None else timeout,
         _participant=parent._participant,
     )
-    backend._state.owned = True  # destroy_process_group frees it
+    backend._state.own()  # destroy_process_group frees it
     return backend
 
 
@@ -389,7 +407,7 @@ def init(*, timeout: Timeout = None) -> MPIBackend:
             # program's traffic on COMM_WORLD never meets ferrompi's, and a world
             # that can no longer communicate is replaced by destroy, then init.
             _WORLD = MPIBackend(MPI.COMM_WORLD.Dup(), timeout=timeout)
-            _WORLD._state.owned = True  # destroy_process_group frees it
+            _WORLD._state.own()  # destroy_process_group frees it
             DEFAULT_GROUP[:] = [_WORLD]  # torch's group=None from now on
             launch.record(MPI.COMM_WORLD)  # logs how the job was launched (debug level)
         return _WORLD

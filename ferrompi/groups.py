@@ -41,6 +41,7 @@ import numpy as np
 from . import _status_board
 from ._arrays import check_rank
 from ._call import group_of
+from ._comm_state import held_groups, refuse_if_full
 from ._mpi import MPI
 from ._progress import PendingCollective, mpi_error, timeout_seconds
 from ._simcomm import SimComm
@@ -188,7 +189,7 @@ class SubBackend(Backend):
         tag = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - (
             zlib.crc32(repr(members).encode()) % RESERVED_TAGS
         )
-        self._check_in(tag)
+        refuse_if_full("SubBackend", self._check_in(tag))
         group = parent.comm.Get_group()
         sub = group.Incl(list(members))
         try:
@@ -199,12 +200,16 @@ class SubBackend(Backend):
             sub.Free()
             group.Free()
 
-    def _check_in(self, tag: int) -> None:
-        """Members report to ``members[0]``, which releases them once all are there."""
+    def _check_in(self, tag: int) -> int:
+        """Members report to ``members[0]``, which releases them once all are there.
+
+        Returns the most groups any member holds (:func:`held_groups`), which
+        the leader gathers with the reports and sends back with the release.
+        """
         parent, members = self._parent, self._members
         state = parent._state
         leader = members[0]
-        token = np.zeros(1, np.int64)
+        token = np.array([held_groups()], np.int64)  # the count refuse_if_full checks
         opcode = _status_board.OPCODE["create_group"]
         deadline = time.monotonic() + self._timeout
         peer = members[1] if parent.rank == leader and len(members) > 1 else leader
@@ -230,11 +235,14 @@ class SubBackend(Backend):
                     + " did not use the SubBackend",
                     f"(SubBackend over parent ranks {list(members)})",
                 ) from None
+            token[0] = max([int(token[0]), *(int(buf[0]) for buf in buffers.values())])
             for m in members[1:]:
                 state.comm.Isend([token, 1, MPI.INT64_T], m, tag).Wait()
+            return int(token[0])
         else:
             send = state.comm.Isend([token, 1, MPI.INT64_T], leader, tag)
-            release = state.comm.Irecv([np.zeros(1, np.int64), 1, MPI.INT64_T], leader, tag)
+            most = np.zeros(1, np.int64)
+            release = state.comm.Irecv([most, 1, MPI.INT64_T], leader, tag)
             try:
                 PendingCollective(state, opcode, 0, (send, release), None).wait(self._timeout)
             except CollectiveTimeout:
@@ -246,6 +254,7 @@ class SubBackend(Backend):
                     "another member, did not use the SubBackend",
                     f"(SubBackend over parent ranks {list(members)})",
                 ) from None
+            return int(most[0])
 
 
 def new_group(
@@ -642,7 +651,6 @@ def destroy_process_group(group: Backend) -> None:
     try:
         if engine:
             engine.free()
-        if state.owned:
-            state.comm.Free()
+        state.free_owned()
     except MPI.Exception as exc:
         raise mpi_error("destroy_process_group", exc) from None

@@ -106,6 +106,30 @@ def test_allreduce_every_op_and_dtype(group):
     assert group.run(_allreduce_all)[0] == len(OP_DTYPE)
 
 
+def _integer_sums_wrap(b):
+    size, rank = b.world_size, b.rank
+    for dtype in map(np.dtype, "bBhHiIlL"):
+        top = np.iinfo(dtype).max
+        # 1,000 elements: past any vector width a library reduces with
+        x = np.full(1000, top, dtype)
+        x[::2] = top - rank
+        expected = np.add.reduce(
+            [np.where(np.arange(1000) % 2 == 0, top - r, top).astype(dtype) for r in range(size)],
+            dtype=dtype,
+        )
+        np.testing.assert_array_equal(fm.allreduce(x, b), expected, err_msg=str(dtype))
+        scattered = fm.reduce_scatter(x[: 10 * size], b)
+        np.testing.assert_array_equal(scattered, expected[rank * 10 : rank * 10 + 10])
+        total = fm.reduce(x, b, dst=0)
+        if rank == 0:
+            np.testing.assert_array_equal(total, expected, err_msg=str(dtype))
+
+
+def test_integer_sums_wrap_as_numpy(group):
+    """SUM of integers wraps on overflow, as numpy, torch and gloo (not saturating: Open MPI)."""
+    group.run(_integer_sums_wrap)
+
+
 def _allreduce_out_inplace_noncontiguous(b):
     size, rank = b.world_size, b.rank
     inputs = [rank_data(r, (4, 6)) for r in range(size)]

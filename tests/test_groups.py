@@ -11,7 +11,7 @@ from mpi4py import MPI
 from support import rank_data
 
 import ferrompi as fm
-from ferrompi import _call
+from ferrompi import _call, _comm_state
 
 
 def _sub_backend_members_only(b):
@@ -181,6 +181,46 @@ def test_running_out_of_communicators_says_how_to_free_them():
     assert fm.allreduce(np.ones(1), again)[0] == world.world_size
     fm.destroy_process_group(again)
     world.comm.Free()
+
+
+def _group_limit_is_agreed(b):
+    """Rank 0 holds more groups than the others; at the limit every rank refuses, then not."""
+    own = [fm.SubBackend(b, [0]) for _ in range(3)] if b.rank == 0 else []
+    for g in own:
+        fm.barrier(g)  # creates its communicator, on rank 0 alone
+    most = fm.allreduce(np.array([_comm_state.held_groups()]), b, op=fm.ReduceOp.MAX)[0]
+    saved = _comm_state.MAX_GROUPS
+    fm.barrier(b)  # every rank (a thread, simulated) has read the limit before any sets it
+    _comm_state.MAX_GROUPS = int(most)
+    try:
+        with pytest.raises(fm.CommunicationError, match=f"FERROMPI_MAX_GROUPS={most}"):
+            b.split(0, key=b.rank)
+        with pytest.raises(fm.CommunicationError, match="frees it"):
+            fm.new_group(b, range(b.world_size))
+        sub = fm.SubBackend(b, list(range(b.world_size)))  # members only, at its first call
+        with pytest.raises(fm.CommunicationError, match="holds"):
+            fm.barrier(sub)
+        fm.barrier(b)  # the refusals left the parent usable
+        for g in own:
+            fm.destroy_process_group(g)
+        fm.barrier(b)  # every rank has freed what it holds before any splits
+        again = b.split(0, key=b.rank)
+        assert fm.allreduce(np.ones(1), again)[0] == b.world_size
+        fm.destroy_process_group(again)
+    finally:
+        fm.barrier(b)
+        _comm_state.MAX_GROUPS = saved
+
+
+def test_group_limit_is_agreed_by_every_rank(group):
+    """FERROMPI_MAX_GROUPS is checked against the most any rank holds: all raise, or none.
+
+    Open MPI runs out of communicators on one rank only and leaves the others
+    inside the creation; the agreed limit refuses on every rank first.
+    """
+    if group.size < 2:
+        pytest.skip("rank 0 must hold more groups than another rank: needs 2 ranks")
+    group.run(_group_limit_is_agreed)
 
 
 # ---------------------------------------------------------------------------

@@ -63,11 +63,11 @@ def _create(dist_backend_opts, backend_options) -> ProcessGroupFerrompi:
                 f"(init_process_group on all {world_size} MPI ranks), not ranks {members}"
             )
         backend = MPIBackend(MPI.COMM_WORLD.Dup(), timeout=timeout)
-        backend._state.owned = True
+        backend._state.own()
         _WORLD[:] = [backend]
     elif members == list(range(world_size)):  # another group of every rank
         backend = MPIBackend(_WORLD[0].comm.Dup(), timeout=timeout)
-        backend._state.owned = True
+        backend._state.own()
     else:  # created among the members only, at its first operation
         backend = SubBackend(_WORLD[0], members, timeout=timeout)
     if dist_backend_opts.group_rank != backend.rank:
