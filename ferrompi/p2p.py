@@ -458,11 +458,24 @@ def _irecv(state, seconds: float, args: tuple) -> tuple:
     shape, (dtype, kind) = _shape(shape, "irecv"), _dtype(dtype, "irecv")
     result, buf, rkind = output(kind, None, out, shape, dtype, "irecv", state.comm)
     datatype_of(buf, "irecv")  # a dtype MPI has
-    args = ([buf, buf.nbytes, _BYTE], source, tag)
+    args = (_receive_into(buf), source, tag)
     keep = (buf, status, "irecv", rkind)
     begin = (peer, None, None, None, -1)
     wait = (-1 if src is None else src, status, buf.size)
     return begin, None, state.comm.Irecv, args, result, _check_received, keep, wait
+
+
+def _receive_into(buf: np.ndarray) -> list:
+    """The receive buffer of ``buf`` for MPI: its bytes, or one scratch byte if it has none.
+
+    A receive of zero bytes must still fail on a larger message. Intel MPI
+    completes it without an error and drops the message; with a byte to
+    receive into, every MPI reports the truncation (or :func:`_check_received`
+    the extra byte).
+    """
+    if buf.nbytes:
+        return [buf, buf.nbytes, _BYTE]
+    return [np.empty(1, np.uint8), 1, _BYTE]
 
 
 def _check_received(result: np.ndarray, keep: tuple) -> None:
@@ -598,7 +611,7 @@ def _sendrecv(state, seconds: float, args: tuple) -> tuple:
 def _post_sendrecv(comm, x, peer: int, buf, source: int, tag: int) -> _SendRecv:
     """Post the receive, then the send, of one exchange."""
     return _SendRecv(
-        comm.Irecv([buf, buf.nbytes, _BYTE], source, tag),
+        comm.Irecv(_receive_into(buf), source, tag),
         comm.Isend([x, x.nbytes, _BYTE], peer, tag),
     )
 
@@ -628,7 +641,7 @@ class _PersistentSendRecv(_SendRecv):
 def _persistent_sendrecv(comm, x, peer: int, buf, source: int, tag: int) -> _PersistentSendRecv:
     """The persistent form of :func:`_post_sendrecv`'s exchange (``Recv_init``, ``Send_init``)."""
     return _PersistentSendRecv(
-        comm.Recv_init([buf, buf.nbytes, _BYTE], source, tag),
+        comm.Recv_init(_receive_into(buf), source, tag),
         comm.Send_init([x, x.nbytes, _BYTE], peer, tag),
     )
 

@@ -52,7 +52,7 @@ import numpy as np
 from . import _shm
 from ._arrays import TORCH, datatype_of, kind_of, numpy_view
 from ._call import STEPS, Planning, _conclude, _on_node, group_of
-from ._mpi import MPI
+from ._mpi import MPI, on_initialized
 from ._progress import PendingCollective, complete, mpi_error, one_pending, timeout_seconds
 from ._rows import _checked_reduce_scatter, planned_reduce_scatter
 from ._status_board import DONE, FAILED, OPCODE, OPS
@@ -189,7 +189,7 @@ class Plan:
             if steps is None:
                 self._stage = self._staging(parts)
                 init = _persistent_init(state.comm, parts)
-            else:
+            elif PERSISTENT_COLLECTIVES[0]:
                 init = getattr(state.comm, steps[1], None)
         except FerrompiError as exc:  # told to the other ranks in the agreement below
             local = exc
@@ -635,17 +635,44 @@ _PLANNED_STEPS = {
 }
 
 
+def _persistent_collectives() -> bool:
+    """Whether plans may hold the MPI library's persistent collectives.
+
+    Not on Intel MPI 2021: its persistent scatter, gather and all-gather
+    return the data of an earlier start, and its persistent scatter over 3
+    ranks fails with "Invalid communicator" (docs/install.md); plans post the
+    nonblocking call there instead. Found by name: a probe of the failing case
+    breaks the communicator it runs on.
+    """
+    return not MPI.Get_library_version().startswith("Intel(R) MPI")
+
+
 def _persistent_init(comm, parts: tuple):
     """MPI-4's persistent form of the call's ``I...`` request (``Iallreduce`` ->
     ``comm.Allreduce_init``; a sendrecv's pair of ``Recv_init`` and ``Send_init``),
-    or None: an MPI without it (or the simulated backend)."""
+    or None: an MPI without it, one whose persistent collectives are wrong
+    (:func:`_persistent_collectives`), or the simulated backend."""
     post = parts[2]
     if post is _post_sendrecv:
         return _persistent_sendrecv if isinstance(comm, MPI.Comm) else None
+    if not PERSISTENT_COLLECTIVES[0]:
+        return None
     name = getattr(post, "__name__", "")
     if not name.startswith("I") or getattr(post, "__self__", None) is not comm:
         return None
     return getattr(comm, name[1:2].upper() + name[2:] + "_init", None)
+
+
+#: :func:`_persistent_collectives`, once MPI is initialised.
+PERSISTENT_COLLECTIVES = [False]
+
+
+def _decide_persistence() -> None:
+    PERSISTENT_COLLECTIVES[0] = _persistent_collectives()
+
+
+if MPI is not None:
+    on_initialized(_decide_persistence)
 
 
 def _collective(opcode: int) -> bool:

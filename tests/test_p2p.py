@@ -76,6 +76,8 @@ def _size_mismatch(b):
         fm.send(np.ones(3, np.float32), 1, b)
         fm.send(np.ones(2, np.float64), 1, b, tag=3)
         fm.send(np.ones(4, np.float32), 1, b, tag=5)
+        fm.send(np.ones(1), 1, b, tag=9)  # into empty receives: not dropped (Intel MPI)
+        fm.send(np.ones(1), 1, b, tag=10)
         for tag in (6, 7, 8):  # 7 bytes: no whole number of float64 elements
             fm.send(np.arange(7, dtype=np.int8), 1, b, tag=tag)
         fm.barrier(b)
@@ -92,6 +94,10 @@ def _size_mismatch(b):
         assert (info.value.expected, info.value.got) == (3, 4)
         with pytest.raises(fm.SizeMismatch):
             fm.irecv((3,), 0, b, tag=5).wait()
+        with pytest.raises(fm.SizeMismatch, match="holds 0 elements"):
+            fm.recv((0,), 0, b, dtype=np.float64, tag=9)
+        with pytest.raises(fm.SizeMismatch, match="holds 0 elements"):
+            fm.irecv((0,), 0, b, dtype=np.float64, tag=10).wait()
         # a message that ends inside an element (MPICH would abort unpacking it)
         partial = "holds 1 elements of 8 bytes but the message carries 7 bytes, not a whole"
         for receive in (
@@ -161,6 +167,10 @@ def _sendrecv_size_mismatch(b):
         assert (info.value.expected, info.value.got) == (4, None)
         assert "holds 4 elements but the message carries more" in str(info.value)
         np.testing.assert_array_equal(fm.sendrecv(np.full(2, 7.0), (1,), 0, b), [1.0])
+        np.testing.assert_array_equal(fm.sendrecv(np.ones(1), (1,), 0, b), [2.0])
+    if rank == 0:  # a message into an empty receive is not dropped (as Intel MPI would)
+        with pytest.raises(fm.SizeMismatch, match="holds 0 elements"):
+            fm.sendrecv(np.full(1, 2.0), (0,), 1, b)
     assert fm.allreduce(np.ones(1), b)[0] == b.world_size
 
 
