@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -221,6 +224,21 @@ def test_group_limit_is_agreed_by_every_rank(group):
     if group.size < 2:
         pytest.skip("rank 0 must hold more groups than another rank: needs 2 ranks")
     group.run(_group_limit_is_agreed)
+
+
+def test_a_bad_group_limit_is_refused():
+    """FERROMPI_MAX_GROUPS must be a positive integer: the first group says so."""
+    program = "import ferrompi as fm; fm.SimulatedBackend.run(2, lambda b: 0)"
+    for text in ("0", "many"):
+        out = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "FERROMPI_MAX_GROUPS": text},
+            timeout=120,
+        )
+        assert out.returncode != 0
+        assert f"FERROMPI_MAX_GROUPS must be a positive integer, got {text!r}" in out.stderr
 
 
 # ---------------------------------------------------------------------------
