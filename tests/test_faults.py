@@ -69,7 +69,26 @@ DEAD_RANK = """
 """
 
 
-@pytest.mark.parametrize(("n", "victim"), [(2, 1), (3, 1), (4, 0)])
+#: Open MPI's behaviour that ferrompi does not (yet) turn into its own (docs/install.md).
+OPEN_MPI = "Open MPI" in MPI.Get_library_version()
+
+
+@pytest.mark.parametrize(
+    ("n", "victim"),
+    [
+        pytest.param(
+            2,
+            1,
+            marks=pytest.mark.xfail(
+                OPEN_MPI,
+                strict=True,
+                reason="Open MPI 5 ends the last survivor of 2 silently, --enable-recovery or not",
+            ),
+        ),
+        (3, 1),
+        (4, 0),
+    ],
+)
 def test_survivors_name_the_dead_rank_within_timeout_plus_5_s(tmp_path, n, victim):
     timeout = 2.0
     proc, _ = launch(
@@ -195,11 +214,23 @@ def test_an_aborted_job_leaves_no_mpich_segment_in_dev_shm(tmp_path, fail):
     if "MPICH" in MPI.Get_library_version():
         assert any(p.startswith("/dev/shm/mpich_shm_") for p in mapped), mapped
     left = [path for path in mapped if os.path.exists(path)]
+    for path in left:  # the machine's memory back, whatever the verdict
+        os.unlink(path)
     assert left == [], left
 
 
+def _end_orphans(pids: list[int]) -> None:
+    """Kill the ranks that outlived their killed launcher (Open MPI's), after a grace second."""
+    time.sleep(1.0)
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:  # ended with the job, as it should
+            pass
+
+
 KILLED_JOB = """
-    import json, time
+    import json, os, time
     import numpy as np
     import ferrompi as fm
 
@@ -207,12 +238,26 @@ KILLED_JOB = """
     fm.allreduce(np.ones(1 << 20), w)  # the node engine's window too
     with open("/proc/self/maps") as f:
         mapped = sorted({l.split(None, 5)[5].strip() for l in f if "/dev/shm/" in l})
-    print(json.dumps({"rank": w.rank, "mapped": mapped}), flush=True)
+    print(json.dumps({"rank": w.rank, "pid": os.getpid(), "mapped": mapped}), flush=True)
     time.sleep(600)  # until the launcher is told to end the job
 """
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize(
+    "signal_name",
+    [
+        "SIGTERM",
+        pytest.param(
+            "SIGKILL",
+            marks=pytest.mark.xfail(
+                OPEN_MPI,
+                strict=True,
+                reason="Open MPI's ranks run on in their own process groups when its mpiexec "
+                "is killed, and its /dev/shm/sm_segment.* files stay",
+            ),
+        ),
+    ],
+)
 def test_a_job_killed_from_outside_leaves_no_mpich_segment(tmp_path, signal_name):
     # scancel and launcher timeouts send SIGTERM, then SIGKILL: no rank gets to
     # finalize or abort, so ferrompi.init removes the names as soon as it can
@@ -242,11 +287,14 @@ def test_a_job_killed_from_outside_leaves_no_mpich_segment(tmp_path, signal_name
     else:
         proc.send_signal(signal)  # mpiexec forwards it to the ranks
     proc.communicate(timeout=OUTER_TIMEOUT)
+    _end_orphans([r["pid"] for r in reports.values()])
     assert sorted(reports) == [0, 1, 2], "".join(lines)
     mapped = {path.removesuffix(" (deleted)") for r in reports.values() for path in r["mapped"]}
     if "MPICH" in MPI.Get_library_version():
         assert any(p.startswith("/dev/shm/mpich_shm_") for p in mapped), mapped
     left = [path for path in mapped if os.path.exists(path)]
+    for path in left:  # the machine's memory back, whatever the verdict
+        os.unlink(path)
     assert left == [], left
 
 
