@@ -78,11 +78,18 @@ for n in $sizes; do
 done
 # The tests that launch their own jobs with this environment's mpiexec: the fault
 # suite (a rank that dies, raises or is killed; python -m ferrompi's abort) under
-# both, and the examples (numpy and torch programs) under Open MPI, the family
-# furthest from MPICH (Intel MPI's pass too, by hand: they add 3 minutes).
+# both; the examples (numpy and torch programs) under Open MPI, the family furthest
+# from MPICH; and under Intel MPI, whose ranks take their world from the PMI that
+# ferrompi serves as MPICH's do, torchrun and torch.multiprocessing forming the
+# world. The rest of both files passes under Intel MPI too (by hand, 7 minutes more).
 jobs=(tests/test_faults.py)
 if [ "$name" = openmpi ]; then
   jobs+=(tests/test_examples.py)
+else
+  launchers=tests/test_torch_launchers.py
+  jobs+=("$launchers::test_torchrun_runs_the_torch_stacks[3]"
+    "$launchers::test_torch_multiprocessing_forms_one_world"
+    "$launchers::test_a_rank_that_dies_ends_the_job_within_5_s_naming_it")
 fi
 echo "--- $name: ${jobs[*]}"
 start=$SECONDS
