@@ -11,7 +11,6 @@ first exchanges the call's header with the peers (:mod:`ferrompi.debug`).
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from time import monotonic_ns
@@ -20,6 +19,7 @@ import numpy as np
 
 from . import _status_board, _wait, debug
 from ._progress import GROUP_HINT, RECOVERY, wait_step
+from ._shm import positive_int_env
 from ._status_board import (
     ACTIVE,
     DONE,
@@ -37,7 +37,7 @@ from ._status_board import (
     T_END,
     T_START,
 )
-from .errors import CollectiveTimeout, CommunicationError, DistributedError, InvalidArgument
+from .errors import CollectiveTimeout, CommunicationError, DistributedError
 
 #: The ``call`` of :meth:`CommState.begin` for a collective that records no
 #: shape, dtype, reduction or root (a barrier, a step of the library's own).
@@ -48,22 +48,11 @@ NO_ARGUMENTS = (-1, None, None, None, -1)
 _held = 0
 
 
-def _max_groups() -> int:
-    text = os.environ.get("FERROMPI_MAX_GROUPS", "32768")
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise InvalidArgument(f"FERROMPI_MAX_GROUPS must be a positive integer, got {text!r}")
-    return value
-
-
 #: The most communicators a process may hold through ferrompi (``FERROMPI_MAX_GROUPS``).
 #: Checked, agreed among the ranks, before each group is created: an MPI that
 #: runs out on one rank only (Open MPI) would leave the others inside the
 #: creation, so ferrompi refuses first, on every rank.
-MAX_GROUPS = _max_groups()
+MAX_GROUPS = positive_int_env("FERROMPI_MAX_GROUPS") or 32768
 
 
 def held_groups() -> int:

@@ -338,7 +338,7 @@ def on_one_node(state) -> bool:
     return all(r in rows for r in state.world_ranks)
 
 
-def _positive_int_env(name: str) -> int | None:
+def positive_int_env(name: str) -> int | None:
     """The environment variable ``name`` as a positive integer, or None when unset.
 
     Raises
@@ -562,8 +562,8 @@ class NodeEngine:
     @classmethod
     def create(cls, comm) -> NodeEngine | None:
         """Build the engine of ``comm`` (collective; every rank must have arrived)."""
-        group = _positive_int_env("FERROMPI_SHM_GROUP_SIZE")  # these two raise before
-        threads = _positive_int_env("FERROMPI_SHM_THREADS")  # any collective
+        group = positive_int_env("FERROMPI_SHM_GROUP_SIZE")  # these two raise before
+        threads = positive_int_env("FERROMPI_SHM_THREADS")  # any collective
         size, rank = comm.Get_size(), comm.Get_rank()
         if group is None:
             node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)

@@ -135,8 +135,8 @@ def test_default_threads_share_the_cores_among_the_node_ranks(monkeypatch):
 def test_the_thread_setting_must_be_a_positive_integer(monkeypatch):
     for text, want in (("", None), ("1", 1), ("6", 6)):
         monkeypatch.setenv("FERROMPI_SHM_THREADS", text)
-        assert _shm._positive_int_env("FERROMPI_SHM_THREADS") == want
+        assert _shm.positive_int_env("FERROMPI_SHM_THREADS") == want
     for text in ("0", "-2", "two", "1.5"):
         monkeypatch.setenv("FERROMPI_SHM_THREADS", text)
         with pytest.raises(_shm.InvalidArgument, match=repr(text)):
-            _shm._positive_int_env("FERROMPI_SHM_THREADS")
+            _shm.positive_int_env("FERROMPI_SHM_THREADS")
