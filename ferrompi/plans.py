@@ -635,23 +635,11 @@ _PLANNED_STEPS = {
 }
 
 
-def _persistent_collectives() -> bool:
-    """Whether plans may hold the MPI library's persistent collectives.
-
-    Not on Intel MPI 2021: its persistent scatter, gather and all-gather
-    return the data of an earlier start, and its persistent scatter over 3
-    ranks fails with "Invalid communicator" (docs/install.md); plans post the
-    nonblocking call there instead. Found by name: a probe of the failing case
-    breaks the communicator it runs on.
-    """
-    return not MPI.Get_library_version().startswith("Intel(R) MPI")
-
-
 def _persistent_init(comm, parts: tuple):
     """MPI-4's persistent form of the call's ``I...`` request (``Iallreduce`` ->
     ``comm.Allreduce_init``; a sendrecv's pair of ``Recv_init`` and ``Send_init``),
     or None: an MPI without it, one whose persistent collectives are wrong
-    (:func:`_persistent_collectives`), or the simulated backend."""
+    (:func:`_decide_persistence`), or the simulated backend."""
     post = parts[2]
     if post is _post_sendrecv:
         return _persistent_sendrecv if isinstance(comm, MPI.Comm) else None
@@ -663,12 +651,21 @@ def _persistent_init(comm, parts: tuple):
     return getattr(comm, name[1:2].upper() + name[2:] + "_init", None)
 
 
-#: :func:`_persistent_collectives`, once MPI is initialised.
+#: Whether plans may hold the MPI library's persistent collectives, decided once
+#: MPI is initialised (:func:`_decide_persistence`).
 PERSISTENT_COLLECTIVES = [False]
 
 
 def _decide_persistence() -> None:
-    PERSISTENT_COLLECTIVES[0] = _persistent_collectives()
+    """Allow persistent collectives, except on Intel MPI 2021.
+
+    Its persistent scatter, gather and all-gather return the data of an
+    earlier start, and its persistent scatter over 3 ranks fails with
+    "Invalid communicator" (docs/install.md); plans post the nonblocking call
+    there instead. Found by name: a probe of the failing case breaks the
+    communicator it runs on.
+    """
+    PERSISTENT_COLLECTIVES[0] = not MPI.Get_library_version().startswith("Intel(R) MPI")
 
 
 if MPI is not None:

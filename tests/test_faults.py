@@ -16,7 +16,7 @@ import time
 
 import pytest
 from mpi4py import MPI
-from support import KEEP_SURVIVORS, json_lines
+from support import KEEP_SURVIVORS, OPEN_MPI, json_lines
 
 from ferrompi import _comm_state
 
@@ -67,10 +67,6 @@ DEAD_RANK = """
         time.sleep(1.0)  # stay alive while the other survivors time out too
         os._exit(0)  # MPI cannot finish the abandoned collective: leave at once
 """
-
-
-#: Open MPI's behaviour that ferrompi does not (yet) turn into its own (docs/install.md).
-OPEN_MPI = "Open MPI" in MPI.Get_library_version()
 
 
 @pytest.mark.parametrize(
